@@ -1,0 +1,39 @@
+"""dta_ref: the readable PyTorch reference for prefix-tree training.
+
+Explicit T x T masks, any dtype (float64 included), runs on the CPU, needs no
+Triton. It is the ground truth that every dta_fast op is tested against.
+"""
+
+from .attention import attention, mask_from_subtree_end, tree_attention_mask
+from .batches import agentic_batch, grpo_batch
+from .logprobs import flat_logprobs, gather_tree_logprobs, next_token_targets, tree_logprobs
+from .losses import clipped_policy_gradient_terms, policy_gradient_loss, sft_loss, token_weights
+from .model import Decoder, DecoderConfig
+from .tree import PrefixTree
+
+__all__ = [
+    "PrefixTree",
+    "tree_attention_mask",
+    "mask_from_subtree_end",
+    "attention",
+    "Decoder",
+    "DecoderConfig",
+    "flat_logprobs",
+    "tree_logprobs",
+    "gather_tree_logprobs",
+    "next_token_targets",
+    "policy_gradient_loss",
+    "clipped_policy_gradient_terms",
+    "sft_loss",
+    "token_weights",
+    "grpo_batch",
+    "agentic_batch",
+    "draw_tree",
+]
+
+
+def draw_tree(*args, **kwargs):
+    """Draw a small tree and its attention mask to a PNG (needs matplotlib); see dta_ref.plot."""
+    from .plot import draw_tree as _draw_tree
+
+    return _draw_tree(*args, **kwargs)

@@ -1,0 +1,64 @@
+"""Synthetic rollout batches shaped like real RL post-training data.
+
+Token ids are random; only the sharing structure matters for tree training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return rng.integers(0, vocab_size, size=n).tolist()
+
+
+def grpo_batch(
+    num_groups: int = 1,
+    prompt_len: int = 2048,
+    num_responses: int = 8,
+    response_len: int = 1024,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> list[list[int]]:
+    """GRPO: per group one prompt of ``prompt_len`` tokens and ``num_responses``
+    responses of ``response_len`` tokens; each rollout is prompt + response."""
+    rng = np.random.default_rng(seed)
+    batch = []
+    for _ in range(num_groups):
+        prompt = _tokens(rng, prompt_len, vocab_size)
+        batch += [prompt + _tokens(rng, response_len, vocab_size) for _ in range(num_responses)]
+    return batch
+
+
+def agentic_batch(
+    system_len: int = 4800,
+    num_tasks: int = 4,
+    task_len: int = 200,
+    rollouts_per_task: int = 4,
+    turns: int = 8,
+    assistant_len: int = 150,
+    tool_len: int = 300,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Agentic multi-turn RL (tau2-bench-like).
+
+    One system prompt shared by all; per task a task prompt; per task
+    ``rollouts_per_task`` rollouts of ``turns`` turns (an assistant message,
+    then a tool output). Every turn is its own training sample holding the
+    whole context up to the end of that turn's assistant message, so the
+    samples of one rollout are prefixes of each other.
+    """
+    rng = np.random.default_rng(seed)
+    system = _tokens(rng, system_len, vocab_size)
+    batch = []
+    for _ in range(num_tasks):
+        context_start = system + _tokens(rng, task_len, vocab_size)
+        for _ in range(rollouts_per_task):
+            context = list(context_start)
+            for turn in range(turns):
+                context += _tokens(rng, assistant_len, vocab_size)
+                batch.append(list(context))
+                if turn + 1 < turns:
+                    context += _tokens(rng, tool_len, vocab_size)
+    return batch

@@ -1,0 +1,124 @@
+"""Per-sequence next-token logprobs: each rollout alone, or one packed tree.
+
+Both functions return the same padded tensor [N, Lmax-1]: entry [i, t] is
+log p(seq_i[t+1] | seq_i[:t+1]), and 0 where t >= len_i - 1. At a branch
+point one packed position predicts different next tokens for different
+rollouts, so logprobs are gathered per (sequence, step), never per packed
+position; autograd then sums the gradients of shared positions exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import attention, tree_attention_mask
+from .hf import hf_hidden_states, is_hf_model
+from .model import Decoder, causal_attend
+from .tree import PrefixTree, _as_token_list
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def logprob_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logprobs are computed in float32 for half-precision models, else in the model's dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def output_head(model):
+    """The linear map from final hidden states to vocabulary logits."""
+    if isinstance(model, Decoder):
+        return model.lm_head
+    if is_hf_model(model):
+        return model.get_output_embeddings()
+    raise unsupported_model(model)
+
+
+def unsupported_model(model) -> TypeError:
+    return TypeError(
+        f"unsupported model {type(model).__name__}: expected dta_ref.Decoder or a Hugging Face "
+        "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM"
+    )
+
+
+def hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
+    """Final hidden states [B, T, hidden] of ``model`` with attention done by ``attend``."""
+    if isinstance(model, Decoder):
+        return model.hidden_states(input_ids, position_ids, attend)
+    if is_hf_model(model):
+        return hf_hidden_states(model, input_ids, position_ids, attend)
+    raise unsupported_model(model)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[..., target] for logits [..., V] and targets [...]."""
+    logits = logits.to(logprob_dtype(logits.dtype))
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def next_token_targets(tree: PrefixTree):
+    """Where each (sequence, step) reads its logits from and which token it scores.
+
+    Returns ``rows`` [N, Lmax-1] (packed index of seq_i[t], 0 where invalid),
+    ``targets`` [N, Lmax-1] (the token seq_i[t+1], 0 where invalid) and
+    ``valid`` [N, Lmax-1] bool.
+    """
+    valid = tree.seq_index[:, 1:] >= 0
+    rows = torch.where(valid, tree.seq_index[:, :-1], 0)
+    targets = torch.where(valid, tree.tokens[tree.seq_index[:, 1:].clamp(min=0)], 0)
+    return rows, targets, valid
+
+
+def gather_tree_logprobs(hidden: torch.Tensor, head, tree: PrefixTree) -> torch.Tensor:
+    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden]."""
+    rows, targets, valid = next_token_targets(tree)
+    logits = head(hidden)  # [T, V]
+    logp = torch.log_softmax(logits.to(logprob_dtype(logits.dtype)), dim=-1)
+    out = logp[rows, targets]
+    return out.masked_fill(~valid, 0.0)
+
+
+def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
+    """Logprobs of every rollout from one packed forward over the tree (explicit mask)."""
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    tree = tree.to(model_device(model))
+    mask = tree_attention_mask(tree)
+
+    def attend(layer_idx, q, k, v, scale):
+        return attention(q, k, v, mask, scale)
+
+    hidden = hidden_states(model, tree.tokens[None], tree.position_ids[None], attend)[0]
+    return gather_tree_logprobs(hidden, output_head(model), tree)
+
+
+def flat_logprobs(model, sequences) -> torch.Tensor:
+    """Logprobs of every rollout, each run alone as an ordinary causal sequence (ground truth).
+
+    A Hugging Face model runs exactly as its user built it (its own attention
+    implementation and causal mask); the reference decoder runs causal attention.
+    """
+    if isinstance(sequences, PrefixTree):
+        sequences = [sequences.sequence(i) for i in range(sequences.num_sequences)]
+    if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+        sequences = list(sequences)
+    if not isinstance(sequences, (list, tuple)):
+        raise TypeError(f"sequences must be a list of token sequences, got {type(sequences).__name__}")
+    if len(sequences) == 0:
+        raise ValueError("empty batch: at least one sequence is needed")
+    seqs = [_as_token_list(s, i) for i, s in enumerate(sequences)]
+    device = model_device(model)
+    width = max(len(s) for s in seqs) - 1
+    rows = []
+    for s in seqs:
+        ids = torch.tensor(s, device=device)[None]
+        positions = torch.arange(len(s), device=device)[None]
+        if is_hf_model(model):
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        else:
+            logits = output_head(model)(hidden_states(model, ids, positions, causal_attend)[0])
+        lp = token_logprobs(logits[:-1], ids[0, 1:])
+        rows.append(F.pad(lp, (0, width - lp.shape[0])))
+    return torch.stack(rows)

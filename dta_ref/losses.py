@@ -1,0 +1,107 @@
+"""RL and SFT losses on padded per-sequence logprobs [N, L].
+
+Every loss here is a weighted sum of per-token terms, ``sum(term * weight)``,
+where the weights come from the loss mask and the normalisation only. That is
+what lets the same loss be split per sequence (depth-first execution) or per
+rank (distributed) without changing its value or its gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
+
+
+def _check_padded(name: str, x, shape=None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    return x
+
+
+def token_weights(loss_mask: torch.Tensor, normalization: str = "token_mean") -> torch.Tensor:
+    """Weights [N, L] such that a loss is ``sum(per_token_term * weights)``.
+
+    - ``token_mean``: each valid token of the batch weighs 1 / (valid tokens in the batch)
+      (DAPO's token-level loss).
+    - ``sequence_mean``: mean over sequences of each sequence's token mean (GRPO);
+      sequences without a valid token are left out of the mean.
+    - ``sum``: every valid token weighs 1.
+    """
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must be a 2-D tensor [N, L], got {getattr(loss_mask, 'shape', loss_mask)}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    mask = loss_mask.to(torch.float64)
+    if normalization == "sum":
+        return mask
+    if normalization == "token_mean":
+        return mask / mask.sum().clamp(min=1.0)
+    per_seq = mask.sum(dim=1, keepdim=True)
+    num_seqs = (per_seq > 0).sum().clamp(min=1)
+    return mask / per_seq.clamp(min=1.0) / num_seqs
+
+
+def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=None, dual_clip=None):
+    """Per-token PPO-clip terms -min(r A, clip(r, 1-low, 1+high) A) [N, L].
+
+    ``clip_high`` defaults to ``clip_low`` (PPO/GRPO); a larger one is DAPO's
+    clip-higher. ``dual_clip`` (c > 1) bounds the loss of negative-advantage
+    tokens by -c A, as in dual-clip PPO.
+    """
+    clip_high = clip_low if clip_high is None else clip_high
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip ranges must be non-negative, got low={clip_low}, high={clip_high}")
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    terms = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        terms = torch.where(advantages < 0, torch.minimum(terms, -dual_clip * advantages), terms)
+    return terms
+
+
+def policy_gradient_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    normalization: str = "token_mean",
+    dual_clip: float | None = None,
+):
+    """Token-level clipped policy-gradient loss (PPO / GRPO / DAPO).
+
+    logprobs, old_logprobs, loss_mask: [N, L]; advantages: [N] (one per
+    sequence, as in GRPO) or [N, L] (per token, as in PPO with GAE).
+    """
+    _check_padded("logprobs", logprobs)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [N, L], got shape {tuple(logprobs.shape)}")
+    _check_padded("old_logprobs", old_logprobs, logprobs.shape)
+    _check_padded("loss_mask", loss_mask, logprobs.shape)
+    _check_padded("advantages", advantages)
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(
+            f"advantages must be [N] or [N, L] = {tuple(logprobs.shape)}, got shape {tuple(advantages.shape)}"
+        )
+    terms = clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
+    weights = token_weights(loss_mask, normalization).to(terms.dtype)
+    return (terms * weights).sum()
+
+
+def sft_loss(logprobs, loss_mask, normalization: str = "token_mean"):
+    """Negative log-likelihood of the masked tokens."""
+    _check_padded("logprobs", logprobs)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [N, L], got shape {tuple(logprobs.shape)}")
+    _check_padded("loss_mask", loss_mask, logprobs.shape)
+    weights = token_weights(loss_mask, normalization).to(logprobs.dtype)
+    return -(logprobs * weights).sum()
