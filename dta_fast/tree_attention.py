@@ -1,0 +1,531 @@
+"""Tree attention in Triton, forward and backward, from O(T) tree metadata.
+
+Query at key position i attends key j iff ``j <= i < subtree_end[j]``
+(docs/prefix_tree.md). The queries are the last Tq of the Tk key positions,
+so a chunk can attend a cached prefix of ancestors (Tq < Tk).
+
+Layout of this file, top to bottom: the block schedule (built on the GPU from
+``subtree_end``), the forward kernel, the dK/dV kernel, the dQ kernel, the
+autograd Function and the public ``tree_attention``.
+
+- Forward and dQ: a query block visits only its live key blocks, listed in a
+  CSR schedule (``kv_ptr``/``kv_idx``) built with a few tensor ops.
+- dK/dV: the queries that see key j are ``[j, subtree_end[j])``; for
+  consecutive keys these ranges chain, so a key block's live queries are one
+  contiguous range. The kernel walks it directly, summing over the query
+  heads of its GQA group in registers: no atomics, bitwise deterministic.
+- Blocks whose every (query, key) pair is visible skip the mask.
+
+Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
+float32 (dot products in ieee float32); no dropout, no softcap, no sliding
+window; the schedule costs one host sync (the number of live block pairs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def validate_subtree_end(subtree_end: torch.Tensor) -> None:
+    """Raise ValueError unless every row of subtree_end [B, T] is a preorder forest.
+
+    Needs j < end[j] <= T and properly nested ranges. With c[i] the number of
+    ranges covering i, nested ranges are exactly "end[j] is the first k > j
+    with c[k] <= c[j]", which is checked with a range-minimum table.
+    """
+    B, T = subtree_end.shape
+    j = torch.arange(T, device=subtree_end.device)
+    if bool((subtree_end <= j).any()):
+        bad = (subtree_end <= j).nonzero()[0].tolist()
+        raise ValueError(f"subtree_end[{bad[-1]}] = {int(subtree_end[tuple(bad)])} must be > its index {bad[-1]}")
+    if bool((subtree_end > T).any()):
+        bad = (subtree_end > T).nonzero()[0].tolist()
+        raise ValueError(f"subtree_end[{bad[-1]}] = {int(subtree_end[tuple(bad)])} exceeds the number of keys {T}")
+    end = subtree_end.long()
+    diff = torch.zeros(B, T + 1, dtype=torch.long, device=end.device)
+    diff[:, :T] += 1
+    diff.scatter_add_(1, end, torch.full_like(end, -1))
+    cover = diff.cumsum(1)  # [B, T + 1], cover[:, T] == 0
+    # Sparse table of range minima over cover; levels[p][i] = min cover[i : i + 2**p].
+    levels = [cover]
+    while (1 << len(levels)) <= T:
+        prev, half = levels[-1], 1 << (len(levels) - 1)
+        levels.append(torch.minimum(prev[:, :-half], prev[:, half:]))
+    lo, hi = j + 1, end  # open range (j, end[j]) must stay deeper than j
+    length = (hi - lo).clamp(min=1)
+    p = torch.floor(torch.log2(length.double())).long()
+    inner_min = torch.full_like(end, torch.iinfo(torch.long).max)
+    for level in range(len(levels)):
+        sel = (p == level) & (hi > lo)
+        if bool(sel.any()):
+            table = levels[level]
+            a = table.gather(1, lo.expand(B, T).clamp(max=table.shape[1] - 1))
+            b = table.gather(1, (hi - (1 << level)).clamp(min=0, max=table.shape[1] - 1))
+            inner_min = torch.where(sel, torch.minimum(a, b), inner_min)
+    own = cover[:, :T]
+    nested = (inner_min > own) & (cover.gather(1, end) <= own)
+    if not bool(nested.all()):
+        b, jj = (~nested).nonzero()[0].tolist()
+        raise ValueError(
+            f"subtree_end is not a preorder forest: the range [{jj}, {int(end[b, jj])}) of key {jj} "
+            "crosses another key's range"
+        )
+
+
+@dataclass
+class TreeSchedule:
+    """Per-tree data shared by every attention call over the same tree (e.g. all layers).
+
+    ``csr(BLOCK_M, BLOCK_N)`` lists, per query block, its live key blocks.
+    """
+
+    subtree_end: torch.Tensor  # [B, Tk] int32
+    num_queries: int
+    _csr: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_keys(self) -> int:
+        return self.subtree_end.shape[1]
+
+    @property
+    def q_offset(self) -> int:
+        return self.num_keys - self.num_queries
+
+    def csr(self, BLOCK_M: int, BLOCK_N: int):
+        key = (BLOCK_M, BLOCK_N)
+        if key not in self._csr:
+            self._csr[key] = _build_csr(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+        return self._csr[key]
+
+
+def _build_csr(subtree_end, Tq, BLOCK_M, BLOCK_N):
+    """kv_ptr [B * Mq + 1] int32 and kv_idx [nnz] int32: live key blocks per (batch, query block)."""
+    B, Tk = subtree_end.shape
+    q_offset = Tk - Tq
+    Mq, Nk = triton.cdiv(Tq, BLOCK_M), triton.cdiv(Tk, BLOCK_N)
+    padded = torch.nn.functional.pad(subtree_end, (0, Nk * BLOCK_N - Tk), value=0)
+    max_end = padded.view(B, Nk, BLOCK_N).amax(-1)  # [B, Nk]
+    device = subtree_end.device
+    q_first = q_offset + torch.arange(Mq, device=device) * BLOCK_M  # key position of each block's first query
+    q_stop = (q_first + BLOCK_M).clamp(max=Tk)
+    k_first = torch.arange(Nk, device=device) * BLOCK_N
+    live = (k_first[None, None, :] < q_stop[None, :, None]) & (max_end[:, None, :] > q_first[None, :, None])
+    counts = live.sum(-1).flatten()  # [B * Mq]
+    kv_ptr = torch.zeros(B * Mq + 1, dtype=torch.int32, device=device)
+    kv_ptr[1:] = counts.cumsum(0)
+    kv_idx = live.flatten(0, 1).nonzero()[:, 1].to(torch.int32)  # row-major: sorted per query block
+    return kv_ptr, kv_idx
+
+
+def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
+    """Check ``subtree_end`` ([Tk] or [B, Tk] int) and wrap it for the kernels."""
+    if not isinstance(subtree_end, torch.Tensor):
+        raise TypeError(f"subtree_end must be a tensor, got {type(subtree_end).__name__}")
+    if subtree_end.dtype not in (torch.int32, torch.int64, torch.int16):
+        raise TypeError(f"subtree_end must be an integer tensor, got {subtree_end.dtype}")
+    if subtree_end.dim() == 1:
+        subtree_end = subtree_end[None]
+    if subtree_end.dim() != 2:
+        raise ValueError(f"subtree_end must be [Tk] or [B, Tk], got shape {tuple(subtree_end.shape)}")
+    Tk = subtree_end.shape[1]
+    num_queries = Tk if num_queries is None else num_queries
+    if not 1 <= num_queries <= Tk:
+        raise ValueError(f"number of queries ({num_queries}) must be between 1 and the number of keys ({Tk})")
+    if Tk >= 2**31 - 1:
+        raise ValueError(f"too many keys for int32 tree metadata: {Tk}")
+    if validate:
+        validate_subtree_end(subtree_end)
+    return TreeSchedule(subtree_end.to(torch.int32).contiguous(), num_queries)
+
+
+# ----------------------------------------------------------------- kernels
+
+
+def _configs(kind):
+    if INTERPRET:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    stages = [2, 3] if kind == "fwd" else [1, 2]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in stages]
+
+
+@triton.jit
+def _visible(pos_m, offs_n, end_n):
+    """[M, N] bool: query position pos_m may attend key offs_n with subtree end end_n."""
+    return (offs_n[None, :] <= pos_m[:, None]) & (pos_m[:, None] < end_n[None, :])
+
+
+@triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
+@triton.jit
+def tree_attention_fwd_kernel(
+    Q, K, V, O, LSE, END, KV_PTR, KV_IDX,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    stride_eb, stride_kv_ptr_b,
+    Hq, GROUP, Tq, Tk,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // Hq, pid_bh % Hq
+    hk = h // GROUP
+    q_offset = Tk - Tq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows
+    pos_m = q_offset + offs_m  # their key positions
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = offs_m < Tq
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    END += b * stride_eb
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row may see nothing in a block
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    q_first = q_offset + pid_m * BLOCK_M
+    q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
+
+    row = b * stride_kv_ptr_b + pid_m  # the schedule is shared by the batch when subtree_end is
+    start = tl.load(KV_PTR + row)
+    stop = tl.load(KV_PTR + row + 1)
+    for e in range(start, stop):
+        n = tl.load(KV_IDX + e)
+        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Tk
+        k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
+        if not full:
+            s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+             acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    # natural-log LSE of the scaled scores
+    tl.store(LSE + pid_bh * Tq + offs_m, (m_i + tl.log2(l_i)) / 1.4426950408889634, mask=mask_m)
+
+
+@triton.autotune(configs=_configs("bwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
+@triton.jit
+def tree_attention_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, END,
+    qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    stride_dkb, stride_dkh, stride_dkt,
+    stride_dvb, stride_dvh, stride_dvt,
+    stride_eb,
+    Hq, Hkv, GROUP, Tq, Tk,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, hk = pid_bh // Hkv, pid_bh % Hkv
+    q_offset = Tk - Tq
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < Tk
+    mask_d = offs_d < HEAD_DIM
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
+                mask=mask_nd, other=0.0)
+    end_n = tl.load(END + b * stride_eb + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
+    k_first = pid_n * BLOCK_N
+    k_last = tl.minimum(k_first + BLOCK_N, Tk) - 1
+    min_end = tl.min(tl.where(mask_n, end_n, Tk), 0)
+    # live queries of this key block: key positions [k_first, max end), in query rows:
+    row_lo = tl.maximum(k_first - q_offset, 0)
+    row_hi = tl.max(end_n, 0) - q_offset
+    m_lo = row_lo // BLOCK_M
+    m_hi = tl.cdiv(row_hi, BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        Qh = Q + b * stride_qb + h * stride_qh
+        DOh = DO + b * stride_dob + h * stride_doh
+        row_base = (b * Hq + h) * Tq
+        for m in range(m_lo, m_hi):
+            offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pos_m = q_offset + offs_m
+            mask_m = offs_m < Tq
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_d[None, :], mask=mask_md, other=0.0)
+            do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=mask_md, other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_base + offs_m, mask=mask_m, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(s_t - lse[None, :])
+            q_first = q_offset + m * BLOCK_M
+            q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
+            full = (k_last <= q_first) & (min_end > q_last)
+            if not full:
+                p_t = tl.where(tl.trans(_visible(pos_m, offs_n, end_n)), p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=mask_nd)
+
+
+@triton.autotune(configs=_configs("bwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
+@triton.jit
+def tree_attention_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, END, KV_PTR, KV_IDX,
+    qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    stride_dqb, stride_dqh, stride_dqt,
+    stride_eb, stride_kv_ptr_b,
+    Hq, GROUP, Tq, Tk,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // Hq, pid_bh % Hq
+    hk = h // GROUP
+    q_offset = Tk - Tq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos_m = q_offset + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < Tq
+    mask_d = offs_d < HEAD_DIM
+    mask_md = mask_m[:, None] & mask_d[None, :]
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=mask_md, other=0.0)
+    lse = tl.load(LSE + pid_bh * Tq + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + pid_bh * Tq + offs_m, mask=mask_m, other=0.0)
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    END += b * stride_eb
+    q_first = q_offset + pid_m * BLOCK_M
+    q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row = b * stride_kv_ptr_b + pid_m  # the schedule is shared by the batch when subtree_end is
+    start = tl.load(KV_PTR + row)
+    stop = tl.load(KV_PTR + row + 1)
+    for e in range(start, stop):
+        n = tl.load(KV_IDX + e)
+        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Tk
+        k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        end_n = tl.load(END + offs_n, mask=mask_n, other=0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(s - lse[:, None])
+        full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
+        if not full:
+            p = tl.where(_visible(pos_m, offs_n, end_n), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_md)
+
+
+# ---------------------------------------------------------- autograd glue
+
+
+def _blocks(head_dim: int):
+    """(fwd/dq BLOCK_M, BLOCK_N), (dkdv BLOCK_M, BLOCK_N) for a head dim."""
+    if INTERPRET:
+        return (16, 16), (16, 16)
+    if head_dim > 128:
+        return (64, 32), (32, 64)
+    return (128, 64), (64, 128)
+
+
+def _batch_strides(end, num_m_blocks):
+    """Batch strides of subtree_end and of the CSR rows: 0 when one tree serves the whole batch."""
+    return (end.stride(0), num_m_blocks) if end.shape[0] > 1 else (0, 0)
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _forward(q, k, v, schedule, sm_scale):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    (BM, BN), _ = _blocks(D)
+    kv_ptr, kv_idx = schedule.csr(BM, BN)
+    end = schedule.subtree_end
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
+    num_m_blocks = triton.cdiv(Tq, BM)
+    tree_attention_fwd_kernel[(num_m_blocks, B * Hq)](
+        q, k, v, o, lse, end, kv_ptr, kv_idx,
+        sm_scale * LOG2E,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        *_batch_strides(end, num_m_blocks),
+        Hq, Hq // Hkv, Tq, Tk,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BM, BLOCK_N=BN,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )  # fmt: skip
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, schedule, sm_scale):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    (BM, BN), (BM1, BN1) = _blocks(D)
+    end = schedule.subtree_end
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, Hq, Tq]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), DOT_PRECISION=_dot_precision(q.dtype))
+    tree_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN1), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, end,
+        sm_scale * LOG2E, sm_scale,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        _batch_strides(end, 0)[0], Hq, Hkv, Hq // Hkv, Tq, Tk,
+        BLOCK_M=BM1, BLOCK_N=BN1, **common,
+    )  # fmt: skip
+    kv_ptr, kv_idx = schedule.csr(BM, BN)
+    num_m_blocks = triton.cdiv(Tq, BM)
+    tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
+        q, k, v, do, lse, delta, dq, end, kv_ptr, kv_idx,
+        sm_scale * LOG2E, sm_scale,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        *_batch_strides(end, num_m_blocks), Hq, Hq // Hkv, Tq, Tk,
+        BLOCK_M=BM, BLOCK_N=BN, **common,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TreeAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, schedule, sm_scale):
+        o, lse = _forward(q, k, v, schedule, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.schedule, ctx.sm_scale = schedule, sm_scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(_last_dim_contiguous(do), q, k, v, o, lse, ctx.schedule, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, T, D], got shape {tuple(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; tree_attention supports float16, bfloat16 and float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"tree_attention needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, Hq, Tq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch or head dim")
+    if Hq % k.shape[1] != 0:
+        raise ValueError(f"number of query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    if Tq > k.shape[2]:
+        raise ValueError(f"more queries ({Tq}) than keys ({k.shape[2]}): queries are the last Tq key positions")
+    if Tq == 0:
+        raise ValueError("no queries: Tq must be at least 1")
+    if D > 256:
+        raise ValueError(f"head dim {D} is not supported (at most 256)")
+
+
+def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSchedule | None = None, return_lse=False):
+    """Tree attention: the query at key position i attends key j iff j <= i < subtree_end[j].
+
+    q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D] (GQA when Hq is a multiple of Hkv);
+    subtree_end [Tk] or [B, Tk] int. The queries are the last Tq key positions
+    (Tq < Tk: the first Tk - Tq keys are a cached prefix). Pass a ``schedule``
+    from :func:`build_schedule` instead of ``subtree_end`` to reuse it across
+    layers. Returns the output [B, Hq, Tq, D] (and the float32 natural-log
+    LSE [B, Hq, Tq] with ``return_lse=True``). Differentiable in q, k, v.
+    """
+    _check_inputs(q, k, v)
+    B, Hq, Tq, D = q.shape
+    Tk = k.shape[2]
+    if schedule is None:
+        if subtree_end is None:
+            raise ValueError("tree_attention needs subtree_end (or a schedule)")
+        schedule = build_schedule(subtree_end.to(q.device), Tq)
+    elif subtree_end is not None:
+        raise ValueError("pass either subtree_end or schedule, not both")
+    if schedule.num_keys != Tk or schedule.num_queries != Tq:
+        raise ValueError(
+            f"tree metadata covers {schedule.num_keys} keys / {schedule.num_queries} queries, "
+            f"but k has {Tk} keys and q has {Tq} queries"
+        )
+    if schedule.subtree_end.shape[0] not in (1, B):
+        raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
+    if schedule.subtree_end.device != q.device:
+        raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
+    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)
+    return (o, lse) if return_lse else o
