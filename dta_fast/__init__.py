@@ -1,0 +1,17 @@
+"""dta_fast: the Triton fast path for prefix-tree training.
+
+Every function here that has a dta_ref twin has the same name and signature
+and is tested against it, outputs and gradients.
+"""
+
+from .logprobs import gather_logprobs_chunked, tree_logprobs
+from .tree_attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
+
+__all__ = [
+    "tree_attention",
+    "build_schedule",
+    "TreeSchedule",
+    "validate_subtree_end",
+    "tree_logprobs",
+    "gather_logprobs_chunked",
+]

@@ -226,6 +226,7 @@ def tree_attention_fwd_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past Tq saw nothing; they are not stored
     acc = acc / l_i[:, None]
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -513,6 +514,8 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     if schedule is None:
         if subtree_end is None:
             raise ValueError("tree_attention needs subtree_end (or a schedule)")
+        if isinstance(subtree_end, torch.Tensor) and subtree_end.shape[-1:] != (Tk,):
+            raise ValueError(f"subtree_end has shape {tuple(subtree_end.shape)}, but k has {Tk} keys")
         schedule = build_schedule(subtree_end.to(q.device), Tq)
     elif subtree_end is not None:
         raise ValueError("pass either subtree_end or schedule, not both")

@@ -27,10 +27,13 @@ def tree_attention_mask(tree: PrefixTree) -> torch.Tensor:
 
 
 def mask_from_subtree_end(subtree_end: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """bool [Tq, Tk] for queries at key positions ``query_positions`` (used for a cached prefix)."""
+    """bool [..., Tq, Tk] for queries at key positions ``query_positions`` (e.g. after a cached prefix).
+
+    ``subtree_end`` is [Tk] or batched [..., Tk].
+    """
     j = torch.arange(subtree_end.shape[-1], device=subtree_end.device)
     i = query_positions[:, None]
-    return (j[None, :] <= i) & (i < subtree_end[None, :])
+    return (j <= i) & (i < subtree_end[..., None, :])
 
 
 def attention(q, k, v, mask, scale=None):

@@ -1,0 +1,96 @@
+"""Shared checks for the tree attention kernel against the explicit-mask reference.
+
+Tolerance comes from the data (docs/../CONTRIBUTING.md, "Tolerance policy"):
+the reference runs in float64 on the same low-precision inputs (ground
+truth), and again as plain torch ops in the kernel's precision. The kernel
+must satisfy err(kernel) <= 2 * err(same-precision torch) + floor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from dta_ref import attention, mask_from_subtree_end
+
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def subtree_end_from_depths(depths) -> torch.Tensor:
+    """subtree_end of the preorder forest whose token depths are ``depths``."""
+    T = len(depths)
+    end = [T] * T
+    stack: list[int] = []
+    for k, d in enumerate(depths):
+        while stack and depths[stack[-1]] >= d:
+            end[stack.pop()] = k
+        stack.append(k)
+    return torch.tensor(end, dtype=torch.long)
+
+
+def random_depths(T: int, rng: np.random.Generator, p_up: float = 0.3) -> list[int]:
+    """Depths of a random preorder forest: each token goes one deeper or climbs back up."""
+    depths = [0]
+    for _ in range(T - 1):
+        d = depths[-1] + 1 if rng.random() > p_up else int(rng.integers(0, depths[-1] + 1))
+        depths.append(d)
+    return depths
+
+
+def attention_in_dtype(q, k, v, mask, scale):
+    """Plain torch attention in the inputs' own precision (softmax in float32)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.float().masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, v)
+
+
+def _grads(fn, inputs, do):
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out, inputs, do.to(out.dtype))
+    return [out.detach(), *grads]
+
+
+def report(name, actual, expected) -> str:
+    diff = (actual.double() - expected.double()).abs()
+    rel_rms = (diff.pow(2).mean().sqrt() / expected.double().pow(2).mean().sqrt().clamp(min=1e-30)).item()
+    worst = np.unravel_index(int(diff.argmax()), tuple(diff.shape)) if diff.numel() else ()
+    return f"{name}: max abs diff {diff.max().item():.3e}, relative RMS {rel_rms:.3e}, worst at {tuple(map(int, worst))}"
+
+
+def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0):
+    """Compare output, dq, dk, dv of dta_fast.tree_attention with the reference (one shared upstream grad)."""
+    from dta_fast import tree_attention
+
+    Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    positions = torch.arange(Tk - Tq, Tk, device=q.device)
+    mask = mask_from_subtree_end(subtree_end.to(q.device), positions)
+    if mask.dim() == 3:  # one tree per batch row: [B, 1, Tq, Tk]
+        mask = mask[:, None]
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype)
+
+    fast = _grads(lambda a, b, c: tree_attention(a, b, c, subtree_end, scale), (q, k, v), do)
+    exact = _grads(lambda a, b, c: attention(a, b, c, mask, scale), (q.double(), k.double(), v.double()), do.double())
+    if q.dtype == torch.float32:
+        same = _grads(lambda a, b, c: attention(a, b, c, mask, scale), (q, k, v), do)
+    else:
+        same = _grads(lambda a, b, c: attention_in_dtype(a, b, c, mask, scale), (q, k, v), do)
+    failures = []
+    for name, f, e, s in zip(("out", "dq", "dk", "dv"), fast, exact, same):
+        assert f.shape == e.shape, f"{name}: shape {tuple(f.shape)} != {tuple(e.shape)}"
+        assert torch.isfinite(f).all(), f"{name} has non-finite values: {report(name, f, e)}"
+        err_fast = (f.double() - e).abs().max().item()
+        err_same = (s.double() - e).abs().max().item()
+        bound = 2 * err_same + FLOOR[q.dtype] * max(1.0, e.abs().max().item())
+        if err_fast > bound:
+            failures.append(f"{report(name, f, e)} > bound {bound:.3e} (same-precision torch error {err_same:.3e})")
+    assert not failures, "\n".join(failures)
+    return fast

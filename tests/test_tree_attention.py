@@ -1,0 +1,244 @@
+"""dta_fast.tree_attention against dta_ref.attention with the explicit mask.
+
+On a CPU machine these run the Triton kernels under TRITON_INTERPRET=1 at
+small sizes (indexing and masking); tests marked gpu run real sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import dta_fast  # noqa: E402
+from dta_fast import build_schedule, tree_attention  # noqa: E402
+from dta_ref import PrefixTree, agentic_batch, grpo_batch  # noqa: E402
+from tests.attention_checks import check_tree_attention, random_depths, subtree_end_from_depths  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]  # the interpreter's bfloat16 dot is unreliable; bf16 runs on GPU
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEVICE == "cuda" else CPU_DTYPES
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Kernel outputs are allocated with torch.empty*: fill them with NaN so unwritten elements fail."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    def nan_empty_like(*args, **kwargs):
+        x = empty_like(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+
+
+def make_qkv(B, Hq, Hkv, Tq, Tk, D, dtype, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(B, Hq, Tq, D, generator=g, device=DEVICE, dtype=dtype)
+    k = torch.randn(B, Hkv, Tk, D, generator=g, device=DEVICE, dtype=dtype)
+    v = torch.randn(B, Hkv, Tk, D, generator=g, device=DEVICE, dtype=dtype)
+    return q, k, v
+
+
+def named_trees():
+    """Small versions of the shapes users train on, plus adversarial ones."""
+    rng = np.random.default_rng(0)
+    return {
+        "grpo": PrefixTree.from_sequences(grpo_batch(2, 21, 4, 9, vocab_size=50)).subtree_end,
+        "agentic": PrefixTree.from_sequences(
+            agentic_batch(13, 2, 3, 2, 3, 4, 5, vocab_size=50)
+        ).subtree_end,
+        "chain": torch.full((37,), 37),
+        "fan": PrefixTree.from_sequences([[0, t] for t in range(60)]).subtree_end,
+        "forest_of_singletons": torch.arange(1, 30),
+        "forest": PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4, 5], [7, 8, 9, 9, 9], [3]]).subtree_end,
+        "random": subtree_end_from_depths(random_depths(83, rng)),
+        "one_token": torch.tensor([1]),
+    }
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(named_trees()))
+def test_named_trees(name, dtype):
+    end = named_trees()[name].to(DEVICE)
+    T = end.shape[0]
+    q, k, v = make_qkv(1, 4, 2, T, T, 32, dtype)
+    check_tree_attention(q, k, v, end)
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,D",
+    [(1, 2, 2, 64), (2, 4, 1, 80), (1, 6, 2, 96), (1, 2, 1, 128)],
+    ids=lambda x: str(x),
+)
+def test_head_dims_and_gqa(B, Hq, Hkv, D):
+    end = subtree_end_from_depths(random_depths(45, np.random.default_rng(D))).to(DEVICE)
+    q, k, v = make_qkv(B, Hq, Hkv, 45, 45, D, torch.float32, seed=D)
+    check_tree_attention(q, k, v, end)
+
+
+@pytest.mark.parametrize("Tq", [1, 7, 16, 33])
+def test_cached_prefix(Tq):
+    """Tq < Tk: the first Tk - Tq keys are a cached prefix the queries attend."""
+    rng = np.random.default_rng(Tq)
+    end = subtree_end_from_depths(random_depths(50, rng)).to(DEVICE)
+    q, k, v = make_qkv(1, 2, 1, Tq, 50, 32, torch.float32, seed=Tq)
+    check_tree_attention(q, k, v, end)
+
+
+def test_per_batch_trees():
+    """subtree_end [B, Tk]: every batch row has its own tree."""
+    rng = np.random.default_rng(1)
+    end = torch.stack([subtree_end_from_depths(random_depths(40, rng)) for _ in range(3)]).to(DEVICE)
+    q, k, v = make_qkv(3, 2, 2, 40, 40, 32, torch.float32)
+    out = check_tree_attention(q, k, v, end)[0]
+    for b in range(3):  # each row equals running its own tree alone
+        alone = tree_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], end[b])
+        torch.testing.assert_close(out[b : b + 1], alone, rtol=0, atol=0)
+
+
+def test_custom_scale_and_lse():
+    end = subtree_end_from_depths(random_depths(30, np.random.default_rng(3))).to(DEVICE)
+    q, k, v = make_qkv(1, 2, 1, 30, 30, 16, torch.float32)
+    check_tree_attention(q, k, v, end, scale=0.37)
+    out, lse = tree_attention(q, k, v, end, 0.37, return_lse=True)
+    mask = dta_fast_mask(end, 30)
+    group = q.shape[1] // k.shape[1]
+    s = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * 0.37
+    expected = torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)
+    torch.testing.assert_close(lse.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def dta_fast_mask(end, Tq):
+    from dta_ref import mask_from_subtree_end
+
+    Tk = end.shape[-1]
+    return mask_from_subtree_end(end, torch.arange(Tk - Tq, Tk, device=end.device))
+
+
+def test_schedule_reuse_matches_fresh():
+    end = subtree_end_from_depths(random_depths(40, np.random.default_rng(4))).to(DEVICE)
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 16, torch.float32)
+    schedule = build_schedule(end)
+    torch.testing.assert_close(tree_attention(q, k, v, schedule=schedule), tree_attention(q, k, v, end), rtol=0, atol=0)
+
+
+def test_deterministic():
+    end = subtree_end_from_depths(random_depths(70, np.random.default_rng(5))).to(DEVICE)
+    q, k, v = make_qkv(1, 4, 2, 70, 70, 32, torch.float16)
+    first = check_tree_attention(q, k, v, end)
+    second = check_tree_attention(q, k, v, end)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "end, match",
+    [
+        (torch.tensor([3, 1, 3]), "must be > its index"),
+        (torch.tensor([3, 2, 4]), "exceeds the number of keys"),
+        (torch.tensor([2, 3, 3]), "crosses"),
+        (torch.tensor([4, 3, 4, 4]), "crosses"),
+        (torch.tensor([3, 3]), "but k has 3 keys"),
+    ],
+    ids=["end_not_after_index", "end_past_T", "crossing", "crossing_later", "wrong_length"],
+)
+def test_invalid_subtree_end(end, match):
+    T = 3 if match.startswith("but") else end.shape[0]
+    q, k, v = make_qkv(1, 1, 1, T, T, 16, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        tree_attention(q, k, v, end.to(DEVICE))
+
+
+def test_bad_inputs():
+    q, k, v = make_qkv(1, 4, 2, 5, 5, 16, torch.float32)
+    end = torch.full((5,), 5, device=DEVICE)
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        tree_attention(q.double(), k.double(), v.double(), end)
+    with pytest.raises(TypeError, match="share a dtype"):
+        tree_attention(q, k.half(), v, end)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        tree_attention(q[:, :3], k, v, end)
+    with pytest.raises(ValueError, match="4-D"):
+        tree_attention(q[0], k, v, end)
+    with pytest.raises(ValueError, match="more queries"):
+        tree_attention(torch.cat([q, q], 2), k, v, end)
+    with pytest.raises(ValueError, match="same shape"):
+        tree_attention(q, k, v[:, :1], end)
+    with pytest.raises(TypeError, match="integer tensor"):
+        tree_attention(q, k, v, end.float())
+    with pytest.raises(ValueError, match="subtree_end must be"):
+        tree_attention(q, k, v, end.view(1, 1, 5))
+    with pytest.raises(ValueError, match="batch size"):
+        tree_attention(q, k, v, end.expand(3, 5))
+    with pytest.raises(ValueError, match="head dim"):
+        big = torch.zeros(1, 1, 5, 320, device=DEVICE)
+        tree_attention(big, big, big, end)
+    with pytest.raises(ValueError, match="needs subtree_end"):
+        tree_attention(q, k, v)
+
+
+def test_public_api():
+    assert dta_fast.tree_attention is tree_attention
+
+
+# ----------------------------------------------------------------- GPU sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(name="grpo", P=4096, N=8, R=1024),
+        dict(name="grpo_odd", P=3001, N=5, R=777),
+        dict(name="agentic"),
+        dict(name="random", T=20011),
+    ],
+    ids=lambda s: s["name"],
+)
+def test_gpu_real_sizes(shape, dtype):
+    if shape["name"].startswith("grpo"):
+        end = PrefixTree.from_sequences(grpo_batch(1, shape["P"], shape["N"], shape["R"])).subtree_end
+    elif shape["name"] == "agentic":
+        end = PrefixTree.from_sequences(agentic_batch(2048, 3, 100, 3, 4, 150, 300)).subtree_end
+    else:
+        end = subtree_end_from_depths(random_depths(shape["T"], np.random.default_rng(0), p_up=0.01))
+    T = end.shape[0]
+    q, k, v = make_qkv(1, 2, 1, T, T, 128, dtype)
+    check_tree_attention(q, k, v, end.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_gpu_head_dims_cached_prefix(D):
+    end = subtree_end_from_depths(random_depths(3000, np.random.default_rng(D), p_up=0.02)).cuda()
+    q, k, v = make_qkv(2, 4, 2, 1100, 3000, D, torch.bfloat16, seed=D)
+    check_tree_attention(q, k, v, end)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    end = PrefixTree.from_sequences(grpo_batch(2, 2048, 8, 512)).subtree_end.cuda()
+    T = end.shape[0]
+    q, k, v = make_qkv(1, 8, 2, T, T, 128, torch.bfloat16)
+    do = torch.randn_like(q)
+
+    def run():
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = tree_attention(*x, end)
+        return [out, *torch.autograd.grad(out, x, do)]
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
