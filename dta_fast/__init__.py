@@ -5,7 +5,7 @@ and is tested against it, outputs and gradients.
 """
 
 from .logprobs import gather_logprobs_chunked, tree_logprobs
-from .tree_attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
+from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
 
 __all__ = [
     "tree_attention",

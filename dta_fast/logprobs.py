@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, next_token_targets, output_head
 from dta_ref.tree import PrefixTree
 
-from .tree_attention import build_schedule, tree_attention
+from .attention import build_schedule, tree_attention
 
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 

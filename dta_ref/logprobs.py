@@ -9,6 +9,7 @@ position; autograd then sums the gradients of shared positions exactly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,7 +103,7 @@ def flat_logprobs(model, sequences) -> torch.Tensor:
     """
     if isinstance(sequences, PrefixTree):
         sequences = [sequences.sequence(i) for i in range(sequences.num_sequences)]
-    if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+    if isinstance(sequences, (torch.Tensor, np.ndarray)) and sequences.ndim == 2:
         sequences = list(sequences)
     if not isinstance(sequences, (list, tuple)):
         raise TypeError(f"sequences must be a list of token sequences, got {type(sequences).__name__}")

@@ -69,13 +69,13 @@ class PrefixTree:
 
     @classmethod
     def from_sequences(cls, sequences) -> "PrefixTree":
-        """Insert ``sequences`` (N >= 1 token lists or 1-D integer tensors) into a trie.
+        """Insert ``sequences`` (N >= 1 token lists or 1-D integer tensors/arrays, or one 2-D one) into a trie.
 
         Children are visited in increasing token order, so sorting the rollouts
         lexicographically and appending each one's suffix beyond its longest
         common prefix with the previous one yields exactly the preorder.
         """
-        if isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+        if isinstance(sequences, (torch.Tensor, np.ndarray)) and sequences.ndim == 2:
             sequences = list(sequences)
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence):
             raise TypeError(f"sequences must be a list of token sequences, got {type(sequences).__name__}")

@@ -156,8 +156,10 @@ def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, va
 def _configs(kind):
     if INTERPRET:
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    stages = [2, 3] if kind == "fwd" else [1, 2]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in stages]
+    # from benchmarks/tune_attention.py on H100/H200 at head dim 128
+    if kind == "fwd":
+        return [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 3), (4, 4), (8, 2))]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2))]
 
 
 @triton.jit
@@ -232,6 +234,28 @@ def tree_attention_fwd_kernel(
              acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
     # natural-log LSE of the scaled scores
     tl.store(LSE + pid_bh * Tq + offs_m, (m_i + tl.log2(l_i)) / 1.4426950408889634, mask=mask_m)
+
+
+@triton.jit
+def tree_attention_bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_ot,
+    stride_dob, stride_doh, stride_dot,
+    Hq, Tq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // Hq, pid_bh % Hq
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_t < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot + offs_d[None, :],
+                 mask=mask, other=0.0)  # [BLOCK_T, BLOCK_D]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + pid_bh * Tq + offs_t, delta, mask=offs_t < Tq)
 
 
 @triton.autotune(configs=_configs("bwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
@@ -376,13 +400,16 @@ def tree_attention_bwd_dq_kernel(
 # ---------------------------------------------------------- autograd glue
 
 
-def _blocks(head_dim: int):
-    """(fwd/dq BLOCK_M, BLOCK_N), (dkdv BLOCK_M, BLOCK_N) for a head dim."""
+# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step.
+BLOCKS = {"fwd": (128, 64), "dkdv": (64, 64), "dq": (64, 64)}
+BLOCKS_LARGE_HEAD = {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}  # head dim > 128
+BLOCKS_INTERPRET = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16)}
+
+
+def _blocks(kernel: str, head_dim: int):
     if INTERPRET:
-        return (16, 16), (16, 16)
-    if head_dim > 128:
-        return (64, 32), (32, 64)
-    return (128, 64), (64, 128)
+        return BLOCKS_INTERPRET[kernel]
+    return (BLOCKS_LARGE_HEAD if head_dim > 128 else BLOCKS)[kernel]
 
 
 def _batch_strides(end, num_m_blocks):
@@ -397,7 +424,7 @@ def _strides(x):
 def _forward(q, k, v, schedule, sm_scale):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    (BM, BN), _ = _blocks(D)
+    BM, BN = _blocks("fwd", D)
     kv_ptr, kv_idx = schedule.csr(BM, BN)
     end = schedule.subtree_end
     o = torch.empty_like(q)
@@ -416,30 +443,57 @@ def _forward(q, k, v, schedule, sm_scale):
 
 
 def _backward(do, q, k, v, o, lse, schedule, sm_scale):
+    delta = _backward_preprocess(o, do)
+    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale)
+    dq = _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale)
+    return dq, dk, dv
+
+
+def _backward_preprocess(o, do):
+    B, Hq, Tq, D = o.shape
+    delta = torch.empty(B, Hq, Tq, device=o.device, dtype=torch.float32)
+    BLOCK_T = 16 if INTERPRET else 128
+    tree_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BLOCK_T), B * Hq)](
+        o, do, delta, *_strides(o), *_strides(do), Hq, Tq,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=BLOCK_T,
+    )  # fmt: skip
+    return delta
+
+
+def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    (BM, BN), (BM1, BN1) = _blocks(D)
+    BM, BN = _blocks("dkdv", D)
     end = schedule.subtree_end
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, Hq, Tq]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), DOT_PRECISION=_dot_precision(q.dtype))
-    tree_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN1), B * Hkv)](
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    tree_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, end,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         _batch_strides(end, 0)[0], Hq, Hkv, Hq // Hkv, Tq, Tk,
-        BLOCK_M=BM1, BLOCK_N=BN1, **common,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BM, BLOCK_N=BN,
+        DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
+    return dk, dv
+
+
+def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    BM, BN = _blocks("dq", D)
+    end = schedule.subtree_end
     kv_ptr, kv_idx = schedule.csr(BM, BN)
     num_m_blocks = triton.cdiv(Tq, BM)
+    dq = torch.empty_like(q)
     tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
         q, k, v, do, lse, delta, dq, end, kv_ptr, kv_idx,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *_batch_strides(end, num_m_blocks), Hq, Hq // Hkv, Tq, Tk,
-        BLOCK_M=BM, BLOCK_N=BN, **common,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BM, BLOCK_N=BN,
+        DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
-    return dq, dk, dv
+    return dq
 
 
 def _dot_precision(dtype):

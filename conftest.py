@@ -1,0 +1,68 @@
+"""Test configuration shared by tests/ and property_tests/.
+
+Hypothesis profiles, chosen with the environment variable DTA_HYPOTHESIS_PROFILE:
+
+- ``ci`` (default): derandomized, a modest number of examples per property so
+  the whole CPU suite runs in a few minutes on a small machine.
+- ``nightly``: many more examples, fresh randomness on every run.
+
+Markers (declared in pyproject.toml):
+
+- ``gpu``: skipped when torch sees no CUDA device.
+- ``slow``: skipped unless DTA_SLOW=1.
+
+Torch runs single-threaded on the CPU unless DTA_TEST_THREADS says otherwise.
+
+This file sits at the repository root, so pytest puts the root on sys.path and
+``from tests.helpers import ...`` works from every test file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=25,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "nightly",
+    derandomize=False,
+    deadline=None,
+    max_examples=300,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+PROFILE = os.environ.get("DTA_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+# CPU tests run tiny tensors: intra-op threads only add synchronisation, and on
+# a busy machine their spin-waiting makes a run many times slower.
+torch.set_num_threads(int(os.environ.get("DTA_TEST_THREADS", "1")))
+
+
+def pytest_report_header(config):
+    return f"hypothesis profile: {PROFILE} (max_examples={settings.default.max_examples})"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = None
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    skip_slow = None
+    if os.environ.get("DTA_SLOW") != "1":
+        skip_slow = pytest.mark.skip(reason="slow test: set DTA_SLOW=1 to run it")
+    for item in items:
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if skip_slow is not None and "slow" in item.keywords:
+            item.add_marker(skip_slow)

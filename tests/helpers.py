@@ -1,0 +1,150 @@
+"""Pure helpers shared by tests/ and property_tests/ (import as ``from tests.helpers import ...``)."""
+
+from __future__ import annotations
+
+import torch
+
+import dta_ref
+
+HF_FAMILIES = ("llama", "qwen2", "qwen3")
+HF_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+TINY_VOCAB = 64
+
+
+def assert_close_report(actual, expected, atol: float, rtol: float, name: str = "tensor", max_bad: int = 5) -> None:
+    """Assert ``|actual - expected| <= atol + rtol * |expected|`` elementwise.
+
+    On failure the message gives the max abs diff, the relative RMS error
+    ``||actual - expected|| / ||expected||`` and the first bad indices with
+    their values. NaN in either tensor counts as a mismatch unless both are NaN
+    at the same place.
+    """
+    actual = torch.as_tensor(actual)
+    expected = torch.as_tensor(expected)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    diff = (a - e).abs()
+    both_nan = a.isnan() & e.isnan()
+    bad = ~(diff <= atol + rtol * e.abs()) & ~both_nan
+    if not bool(bad.any()):
+        return
+    finite = diff[~diff.isnan()]
+    max_abs = float(finite.max()) if finite.numel() else float("nan")
+    denom = float(e.nan_to_num().norm())
+    rel_rms = float((a - e).nan_to_num(nan=float("inf")).norm()) / denom if denom > 0 else float("inf")
+    idx = bad.nonzero()[:max_bad]
+    lines = [
+        f"{name}: {int(bad.sum())} of {bad.numel()} elements out of tolerance (atol={atol:g}, rtol={rtol:g})",
+        f"  max abs diff {max_abs:.3e}, relative RMS {rel_rms:.3e}, max |expected| {float(e.abs().max()):.3e}",
+    ]
+    for row in idx.tolist():
+        i = tuple(row)
+        lines.append(f"  at {i}: actual {float(a[i]):.17g}, expected {float(e[i]):.17g}")
+    raise AssertionError("\n".join(lines))
+
+
+def tiny_decoder(dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: int = TINY_VOCAB) -> dta_ref.Decoder:
+    """A seeded 2-layer reference decoder (hidden 32, 4 query heads, 2 KV heads, head_dim 8)."""
+    torch.manual_seed(seed)
+    cfg = dta_ref.DecoderConfig(
+        vocab_size=vocab_size, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
+    return dta_ref.Decoder(cfg).to(dtype)
+
+
+def tiny_hf_model(
+    family: str, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager", seed: int = 0
+):
+    """A seeded tiny Hugging Face causal LM of ``family`` ("llama", "qwen2" or "qwen3").
+
+    hidden 32, 2 layers, 4 query heads, 2 KV heads, head_dim 8, vocab 64, no
+    attention dropout. The init range is large enough that attention is far
+    from uniform, so a wrong mask changes the logits visibly. Returned in eval mode.
+    """
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    if family not in classes:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(classes)}")
+    config_cls, model_cls = classes[family]
+    config = config_cls(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=4096,
+        attention_dropout=0.0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval()
+
+
+def param_grads(model, loss: torch.Tensor, retain_graph: bool = False) -> dict[str, torch.Tensor]:
+    """d loss / d parameter for every named parameter (zeros where the loss does not depend on it)."""
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+    return {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, params, grads)}
+
+
+def flatten_grads(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """All gradients of a :func:`param_grads` dict as one float64 vector, in name order."""
+    return torch.cat([grads[n].detach().reshape(-1).to(torch.float64) for n in sorted(grads)])
+
+
+def assert_grads_close(actual: dict, expected: dict, rel: float, name: str = "grad") -> None:
+    """Every parameter gradient within ``rel * max|expected gradient over all parameters|``.
+
+    The tolerance scales with the largest gradient of the model, so parameters
+    whose gradient is (near) zero are held to the same absolute standard. If
+    every expected gradient is zero (a loss with no valid token), the actual
+    ones must be exactly zero too.
+    """
+    assert actual.keys() == expected.keys(), f"{name}: different parameter sets"
+    scale = max(float(g.abs().max()) for g in expected.values())
+    for key in sorted(expected):
+        assert_close_report(actual[key], expected[key], atol=rel * scale, rtol=0.0, name=f"{name}[{key}]")
+
+
+def prefix_of_packed_token(tree: dta_ref.PrefixTree, sequences) -> list[tuple[int, ...]]:
+    """For every packed token, its root-to-token prefix, read off the input sequences.
+
+    Uses only ``seq_index`` to know which packed slot holds step t of sequence
+    s; the content of each prefix comes from the sequences. Raises if a slot is
+    claimed by two different prefixes or by none.
+    """
+    prefixes: list[tuple[int, ...] | None] = [None] * tree.num_tokens
+    for s, seq in enumerate(sequences):
+        seq = [int(t) for t in seq]
+        for t in range(len(seq)):
+            slot = int(tree.seq_index[s, t])
+            prefix = tuple(seq[: t + 1])
+            if prefixes[slot] is not None and prefixes[slot] != prefix:
+                raise AssertionError(f"packed slot {slot} holds both {prefixes[slot]} and {prefix}")
+            prefixes[slot] = prefix
+    missing = [i for i, p in enumerate(prefixes) if p is None]
+    if missing:
+        raise AssertionError(f"packed slots {missing[:10]} belong to no sequence")
+    return prefixes  # type: ignore[return-value]
+
+
+def brute_force_tree_mask(tree: dta_ref.PrefixTree, sequences) -> torch.Tensor:
+    """bool [T, T]: key j visible to query i iff the prefix of j is a prefix of the prefix of i."""
+    prefixes = prefix_of_packed_token(tree, sequences)
+    T = len(prefixes)
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i, pi in enumerate(prefixes):
+        for j, pj in enumerate(prefixes):
+            mask[i, j] = len(pj) <= len(pi) and pi[: len(pj)] == pj
+    return mask

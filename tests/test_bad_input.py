@@ -1,0 +1,413 @@
+"""Bad input gets a clear ValueError or TypeError naming the problem."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dta_ref
+from dta_ref import PrefixTree
+from tests.helpers import TINY_VOCAB, tiny_decoder, tiny_hf_model
+
+
+def case(name, fn, exc, match):
+    return pytest.param(fn, exc, match, id=name)
+
+
+TREE_CASES = [
+    case("empty-batch", lambda: PrefixTree.from_sequences([]), ValueError, "empty batch"),
+    case("empty-sequence", lambda: PrefixTree.from_sequences([[1, 2], []]), ValueError, "sequence 1 is empty"),
+    case(
+        "empty-tensor-sequence",
+        lambda: PrefixTree.from_sequences([torch.tensor([], dtype=torch.long)]),
+        ValueError,
+        "sequence 0 is empty",
+    ),
+    case("negative-token", lambda: PrefixTree.from_sequences([[1, 2], [3, -1]]), ValueError, "non-negative, got -1"),
+    case(
+        "negative-token-tensor",
+        lambda: PrefixTree.from_sequences([torch.tensor([4, -7])]),
+        ValueError,
+        "non-negative, got -7",
+    ),
+    case("float-tokens", lambda: PrefixTree.from_sequences([[1.0, 2.0]]), TypeError, "tokens must be ints, got 1.0"),
+    case("bool-tokens", lambda: PrefixTree.from_sequences([[True, False]]), TypeError, "tokens must be ints, got True"),
+    case("string-token", lambda: PrefixTree.from_sequences([[1, "2"]]), TypeError, "tokens must be ints, got '2'"),
+    case("string-sequence", lambda: PrefixTree.from_sequences(["abc"]), TypeError, "sequence 0: expected a list"),
+    case("string-batch", lambda: PrefixTree.from_sequences("abc"), TypeError, "must be a list of token sequences"),
+    case("none-batch", lambda: PrefixTree.from_sequences(None), TypeError, "must be a list of token sequences"),
+    case("int-sequence", lambda: PrefixTree.from_sequences([5]), TypeError, "sequence 0: expected a list"),
+    case(
+        "1d-tensor-batch",
+        lambda: PrefixTree.from_sequences(torch.tensor([1, 2, 3])),
+        TypeError,
+        "must be a list of token sequences",
+    ),
+    case(
+        "3d-tensor-batch",
+        lambda: PrefixTree.from_sequences(torch.ones(2, 2, 2, dtype=torch.long)),
+        TypeError,
+        "must be a list of token sequences",
+    ),
+    case(
+        "float-tensor",
+        lambda: PrefixTree.from_sequences([torch.tensor([1.0, 2.0])]),
+        TypeError,
+        "dtype torch.float32",
+    ),
+    case(
+        "2d-float-tensor-batch",
+        lambda: PrefixTree.from_sequences(torch.ones(2, 3)),
+        TypeError,
+        "tokens must be integers",
+    ),
+    case(
+        "bool-tensor",
+        lambda: PrefixTree.from_sequences([torch.tensor([True, False])]),
+        TypeError,
+        "dtype torch.bool",
+    ),
+    case(
+        "float-numpy",
+        lambda: PrefixTree.from_sequences([np.array([1.0, 2.0])]),
+        TypeError,
+        "array of dtype float64",
+    ),
+    case(
+        "bool-numpy",
+        lambda: PrefixTree.from_sequences([np.array([True, False])]),
+        TypeError,
+        "array of dtype bool",
+    ),
+    case(
+        "ragged-nested-list",
+        lambda: PrefixTree.from_sequences([[1, [2, 3]]]),
+        TypeError,
+        r"tokens must be ints, got \[2, 3\]",
+    ),
+    case(
+        "2d-tensor-sequence",
+        lambda: PrefixTree.from_sequences([torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.long)]),
+        ValueError,
+        r"sequence 1: expected a 1-D tensor of tokens, got shape \(2, 2\)",
+    ),
+    case(
+        "0d-tensor-sequence",
+        lambda: PrefixTree.from_sequences([torch.tensor(3)]),
+        ValueError,
+        "expected a 1-D tensor",
+    ),
+    case(
+        "2d-numpy-sequence",
+        lambda: PrefixTree.from_sequences([np.ones((2, 2), dtype=np.int64)]),
+        ValueError,
+        "expected a 1-D array",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn,exc,match", TREE_CASES)
+def test_tree_rejects(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def qkv(B=1, Hq=4, Hkv=2, T=5, D=8, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
+    return q, k, v
+
+
+CAUSAL = torch.ones(5, 5, dtype=torch.bool).tril()
+Q, K, V = qkv()
+
+ATTENTION_CASES = [
+    case("int-q", lambda: dta_ref.attention(Q.long(), K, V, CAUSAL), TypeError, "q must be a floating tensor"),
+    case("bool-v", lambda: dta_ref.attention(Q, K, V.bool(), CAUSAL), TypeError, "v must be a floating tensor"),
+    case(
+        "mixed-dtypes",
+        lambda: dta_ref.attention(Q, K.float(), V, CAUSAL),
+        TypeError,
+        "q, k, v must share a dtype",
+    ),
+    case("list-q", lambda: dta_ref.attention(Q.tolist(), K, V, CAUSAL), TypeError, "q must be a tensor"),
+    case("3d-q", lambda: dta_ref.attention(Q[0], K, V, CAUSAL), ValueError, r"q must be 4-D \[B, H, T, D\]"),
+    case("k-v-shape", lambda: dta_ref.attention(Q, K, V[:, :, :4], CAUSAL), ValueError, "k and v must have the same shape"),
+    case(
+        "head-dim-mismatch",
+        lambda: dta_ref.attention(Q, K[..., :4], V[..., :4], CAUSAL),
+        ValueError,
+        "does not match q shape",
+    ),
+    case(
+        "batch-mismatch",
+        lambda: dta_ref.attention(Q, torch.cat([K, K]), torch.cat([V, V]), CAUSAL),
+        ValueError,
+        "does not match q shape",
+    ),
+    case(
+        "hq-not-multiple-of-hkv",
+        lambda: dta_ref.attention(*qkv(Hq=4, Hkv=3), CAUSAL),
+        ValueError,
+        r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+    ),
+    case("float-mask", lambda: dta_ref.attention(Q, K, V, CAUSAL.double()), TypeError, "mask must be a bool tensor"),
+    case("int-mask", lambda: dta_ref.attention(Q, K, V, CAUSAL.long()), TypeError, "mask must be a bool tensor"),
+    case("list-mask", lambda: dta_ref.attention(Q, K, V, CAUSAL.tolist()), TypeError, "mask must be a bool tensor"),
+    case("1d-mask", lambda: dta_ref.attention(Q, K, V, CAUSAL[0]), ValueError, "mask must be 2-D to 4-D"),
+    case(
+        "5d-mask",
+        lambda: dta_ref.attention(Q, K, V, CAUSAL[None, None, None]),
+        ValueError,
+        "mask must be 2-D to 4-D",
+    ),
+    case(
+        "mask-wrong-shape",
+        lambda: dta_ref.attention(Q, K, V, CAUSAL[:4]),
+        ValueError,
+        r"mask of shape \(4, 5\) is not broadcastable",
+    ),
+    case(
+        "mask-wrong-heads",
+        lambda: dta_ref.attention(Q, K, V, CAUSAL.expand(1, 3, 5, 5)),
+        ValueError,
+        "is not broadcastable",
+    ),
+    case(
+        "mask-row-without-keys",
+        lambda: dta_ref.attention(Q, K, V, CAUSAL.clone().index_fill_(0, torch.tensor([2]), False)),
+        ValueError,
+        "no allowed key",
+    ),
+    case(
+        "mask-row-without-keys-one-head",
+        lambda: dta_ref.attention(
+            Q, K, V, CAUSAL.expand(1, 4, 5, 5).clone().index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(False))
+        ),
+        ValueError,
+        "no allowed key",
+    ),
+    case("tree-mask-of-list", lambda: dta_ref.tree_attention_mask([[1, 2]]), TypeError, "expected a PrefixTree"),
+]
+
+
+@pytest.mark.parametrize("fn,exc,match", ATTENTION_CASES)
+def test_attention_rejects(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_decoder_config_rejects():
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+        dta_ref.DecoderConfig(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        dta_ref.DecoderConfig(hidden_size=12, num_heads=4, num_kv_heads=2)
+
+
+TREE = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+
+
+def unsupported_model():
+    return torch.nn.Sequential(torch.nn.Embedding(TINY_VOCAB, 8), torch.nn.Linear(8, TINY_VOCAB))
+
+
+def tiny_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=TINY_VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def sliding_window_qwen2():
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+    )
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def train_mode_with_dropout():
+    model = tiny_hf_model("llama", torch.float64, "eager")
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    return model.train()
+
+
+LOGPROB_CASES = [
+    case(
+        "tree-logprobs-of-list",
+        lambda: dta_ref.tree_logprobs(tiny_decoder(), [[1, 2, 3]]),
+        TypeError,
+        "expected a PrefixTree, got list",
+    ),
+    case(
+        "tree-logprobs-unsupported-model",
+        lambda: dta_ref.tree_logprobs(unsupported_model(), TREE),
+        TypeError,
+        "unsupported model Sequential",
+    ),
+    case(
+        "flat-logprobs-unsupported-model",
+        lambda: dta_ref.flat_logprobs(unsupported_model(), [[1, 2, 3]]),
+        TypeError,
+        "unsupported model Sequential",
+    ),
+    case(
+        "unsupported-hf-model-type",
+        lambda: dta_ref.tree_logprobs(tiny_gpt2(), TREE),
+        ValueError,
+        "model type 'gpt2' is not supported",
+    ),
+    case(
+        "hf-sliding-window",
+        lambda: dta_ref.tree_logprobs(sliding_window_qwen2(), TREE),
+        ValueError,
+        "sliding-window",
+    ),
+    case(
+        "hf-attention-dropout-in-training",
+        lambda: dta_ref.tree_logprobs(train_mode_with_dropout(), TREE),
+        ValueError,
+        "attention dropout is not supported",
+    ),
+    case("flat-empty-batch", lambda: dta_ref.flat_logprobs(tiny_decoder(), []), ValueError, "empty batch"),
+    case(
+        "flat-empty-sequence",
+        lambda: dta_ref.flat_logprobs(tiny_decoder(), [[1], []]),
+        ValueError,
+        "sequence 1 is empty",
+    ),
+    case(
+        "flat-string-batch",
+        lambda: dta_ref.flat_logprobs(tiny_decoder(), "12"),
+        TypeError,
+        "must be a list of token sequences",
+    ),
+    case(
+        "flat-float-tokens",
+        lambda: dta_ref.flat_logprobs(tiny_decoder(), [[1, 2.5]]),
+        TypeError,
+        "tokens must be ints",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn,exc,match", LOGPROB_CASES)
+def test_logprobs_reject(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_hf_error_leaves_attention_implementation_unchanged():
+    model = train_mode_with_dropout()
+    with pytest.raises(ValueError, match="dropout"):
+        dta_ref.tree_logprobs(model, TREE)
+    assert model.config._attn_implementation == "eager"
+
+
+LP = -torch.rand(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+MASK = torch.ones(2, 3, dtype=torch.bool)
+ADV = torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+LOSS_CASES = [
+    case(
+        "invalid-normalization",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, ADV, MASK, normalization="mean"),
+        ValueError,
+        "normalization must be one of .* got 'mean'",
+    ),
+    case(
+        "sft-invalid-normalization",
+        lambda: dta_ref.sft_loss(LP, MASK, normalization="batch"),
+        ValueError,
+        "normalization must be one of",
+    ),
+    case("weights-1d-mask", lambda: dta_ref.token_weights(MASK[0]), ValueError, r"loss_mask must be a 2-D tensor"),
+    case("weights-list-mask", lambda: dta_ref.token_weights([[1, 0]]), ValueError, r"loss_mask must be a 2-D tensor"),
+    case(
+        "logprobs-not-tensor",
+        lambda: dta_ref.policy_gradient_loss(LP.tolist(), LP, ADV, MASK),
+        TypeError,
+        "logprobs must be a tensor, got list",
+    ),
+    case(
+        "logprobs-1d",
+        lambda: dta_ref.policy_gradient_loss(LP[0], LP[0], ADV, MASK[0]),
+        ValueError,
+        r"logprobs must be \[N, L\]",
+    ),
+    case(
+        "old-logprobs-shape",
+        lambda: dta_ref.policy_gradient_loss(LP, LP[:, :2], ADV, MASK),
+        ValueError,
+        r"old_logprobs has shape \(2, 2\), expected \(2, 3\)",
+    ),
+    case(
+        "loss-mask-shape",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, ADV, MASK[:1]),
+        ValueError,
+        r"loss_mask has shape \(1, 3\), expected \(2, 3\)",
+    ),
+    case(
+        "advantages-shape",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, torch.ones(3, dtype=torch.float64), MASK),
+        ValueError,
+        r"advantages must be \[N\] or \[N, L\]",
+    ),
+    case(
+        "advantages-transposed",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, torch.ones(3, 2, dtype=torch.float64), MASK),
+        ValueError,
+        r"advantages must be \[N\] or \[N, L\]",
+    ),
+    case(
+        "advantages-not-tensor",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, [1.0, -1.0], MASK),
+        TypeError,
+        "advantages must be a tensor",
+    ),
+    case(
+        "negative-clip",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, ADV, MASK, clip_low=-0.1),
+        ValueError,
+        "clip ranges must be non-negative",
+    ),
+    case(
+        "negative-clip-high",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, ADV, MASK, clip_high=-0.1),
+        ValueError,
+        "clip ranges must be non-negative",
+    ),
+    case(
+        "dual-clip-not-above-one",
+        lambda: dta_ref.policy_gradient_loss(LP, LP, ADV, MASK, dual_clip=1.0),
+        ValueError,
+        "dual_clip must be > 1",
+    ),
+    case(
+        "sft-mask-shape",
+        lambda: dta_ref.sft_loss(LP, MASK[:, :2]),
+        ValueError,
+        r"loss_mask has shape \(2, 2\), expected \(2, 3\)",
+    ),
+    case("sft-logprobs-3d", lambda: dta_ref.sft_loss(LP[None], MASK), ValueError, r"logprobs must be \[N, L\]"),
+]
+
+
+@pytest.mark.parametrize("fn,exc,match", LOSS_CASES)
+def test_losses_reject(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()

@@ -1,0 +1,206 @@
+"""RL and SFT losses against hand-computed values on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dta_ref import clipped_policy_gradient_terms, policy_gradient_loss, sft_loss, token_weights
+
+NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
+
+
+def lp(*ratios):
+    """Logprobs whose ratio to old logprobs of 0 is ``ratios``."""
+    return torch.tensor([math.log(r) for r in ratios], dtype=torch.float64)
+
+
+# Two rollouts, old logprobs 0, so ratio = exp(logprob).
+#   row 0: A = +1, ratios 1.5, 1.0, (padding)
+#   row 1: A = -2, ratios 0.5, 1.1, 4.0
+# clip 0.2, terms -min(rA, clip(r) A):
+#   row 0: -min(1.5, 1.2) = -1.2;  -1.0
+#   row 1: -min(-1.0, -1.6) = 1.6;  2.2;  -min(-8, -2.4) = 8
+# dual clip c = 3 caps row 1's last term at -c A = 6.
+LOGPROBS = torch.stack([torch.cat([lp(1.5, 1.0), torch.zeros(1, dtype=torch.float64)]), lp(0.5, 1.1, 4.0)])
+MASK = torch.tensor([[True, True, False], [True, True, True]])
+ADV = torch.tensor([1.0, -2.0], dtype=torch.float64)
+TERMS = torch.tensor([[-1.2, -1.0, 0.0], [1.6, 2.2, 8.0]], dtype=torch.float64)
+
+HAND_VALUES = [
+    ("token_mean", None, (-1.2 - 1.0 + 1.6 + 2.2 + 8.0) / 5),
+    ("sequence_mean", None, ((-1.2 - 1.0) / 2 + (1.6 + 2.2 + 8.0) / 3) / 2),
+    ("sum", None, -1.2 - 1.0 + 1.6 + 2.2 + 8.0),
+    ("token_mean", 3.0, (-1.2 - 1.0 + 1.6 + 2.2 + 6.0) / 5),
+    ("sequence_mean", 3.0, ((-1.2 - 1.0) / 2 + (1.6 + 2.2 + 6.0) / 3) / 2),
+    ("sum", 3.0, -1.2 - 1.0 + 1.6 + 2.2 + 6.0),
+]
+
+
+def test_terms_by_hand():
+    terms = clipped_policy_gradient_terms(LOGPROBS, torch.zeros_like(LOGPROBS), ADV, clip_low=0.2)
+    assert torch.allclose(terms[MASK], TERMS[MASK], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "normalization,dual_clip,expected", HAND_VALUES, ids=[f"{n}-dual{d}" for n, d, _ in HAND_VALUES]
+)
+def test_policy_gradient_loss_by_hand(normalization, dual_clip, expected):
+    loss = policy_gradient_loss(
+        LOGPROBS, torch.zeros_like(LOGPROBS), ADV, MASK, clip_low=0.2, normalization=normalization, dual_clip=dual_clip
+    )
+    assert loss.dtype == torch.float64
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_clip_higher_by_hand():
+    # clip_high 0.6: row 0's ratio 1.5 is no longer clipped (-1.5); the low side is unchanged
+    loss = policy_gradient_loss(
+        LOGPROBS, torch.zeros_like(LOGPROBS), ADV, MASK, clip_low=0.2, clip_high=0.6, normalization="sum"
+    )
+    assert loss.item() == pytest.approx(-1.5 - 1.0 + 1.6 + 2.2 + 8.0, rel=1e-12)
+
+
+def test_old_logprobs_enter_only_through_the_ratio():
+    shift = torch.tensor([[0.3, -0.7, 1.1], [2.0, -0.4, 0.05]], dtype=torch.float64)
+    a = policy_gradient_loss(LOGPROBS, torch.zeros_like(LOGPROBS), ADV, MASK)
+    b = policy_gradient_loss(LOGPROBS + shift, shift, ADV, MASK)
+    assert b.item() == pytest.approx(a.item(), rel=1e-12)
+
+
+CLIP_CASES = [
+    # (advantage, ratio, clipped?)  clip range [0.8, 1.2]
+    (1.0, 1.5, True),
+    (1.0, 0.5, False),
+    (1.0, 1.1, False),
+    (-1.0, 0.5, True),
+    (-1.0, 1.5, False),
+    (-1.0, 0.9, False),
+]
+
+
+@pytest.mark.parametrize("adv,ratio,clipped", CLIP_CASES, ids=[f"A{a:+g}-r{r:g}" for a, r, _ in CLIP_CASES])
+def test_clipped_side_has_zero_gradient(adv, ratio, clipped):
+    logprobs = lp(ratio)[None].requires_grad_(True)
+    loss = policy_gradient_loss(
+        logprobs, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.bool), clip_low=0.2, normalization="sum",
+    )
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    # unclipped term -r A has d/dlogprob = -r A
+    expected = 0.0 if clipped else -ratio * adv
+    assert grad.item() == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("ratio,capped", [(4.0, True), (2.0, False), (0.9, False)], ids=["r4", "r2", "r0.9"])
+def test_dual_clip_caps_negative_advantage_loss(ratio, capped):
+    logprobs = lp(ratio)[None].requires_grad_(True)
+    args = (torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1))
+    loss = policy_gradient_loss(logprobs, *args, normalization="sum", dual_clip=3.0)
+    plain = policy_gradient_loss(logprobs, *args, normalization="sum")
+    assert loss.item() == pytest.approx(3.0 if capped else plain.item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert (grad.item() == 0.0) == capped
+
+
+def test_dual_clip_leaves_positive_advantages_alone():
+    logprobs = lp(0.1, 5.0)[None]
+    args = (torch.zeros(1, 2, dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2))
+    with_dual = policy_gradient_loss(logprobs, *args, normalization="sum", dual_clip=1.5)
+    assert with_dual.item() == pytest.approx(policy_gradient_loss(logprobs, *args, normalization="sum").item())
+
+
+def test_token_weights_by_hand():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    w = token_weights(mask, "token_mean")
+    assert w.dtype == torch.float64
+    assert torch.equal(w, mask.double() / 3)
+    # sequence_mean: the empty row is left out of the mean over sequences
+    expected = torch.tensor([[0.25, 0.25, 0], [0.5, 0, 0], [0, 0, 0]], dtype=torch.float64)
+    assert torch.equal(token_weights(mask, "sequence_mean"), expected)
+    assert torch.equal(token_weights(mask, "sum"), mask.double())
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_empty_mask_gives_zero_loss(normalization):
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    logprobs = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(token_weights(mask, normalization), torch.zeros(2, 3, dtype=torch.float64))
+    loss = policy_gradient_loss(logprobs, logprobs, torch.ones(2, dtype=torch.float64), mask, normalization=normalization)
+    assert loss.item() == 0.0
+    assert sft_loss(logprobs, mask, normalization).item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "normalization,expected", [("token_mean", 2.0), ("sequence_mean", 2.25), ("sum", 6.0)], ids=NORMALIZATIONS
+)
+def test_sft_loss_by_hand(normalization, expected):
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-3.0, -9.0, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert sft_loss(logprobs, mask, normalization).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_normalizations_differ_by_their_known_factors():
+    gen = torch.Generator().manual_seed(1)
+    logprobs = -torch.rand(4, 6, dtype=torch.float64, generator=gen)
+    old = logprobs + 0.3 * torch.randn(4, 6, dtype=torch.float64, generator=gen)
+    adv = torch.randn(4, dtype=torch.float64, generator=gen)
+    mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 3 + [0] * 3, [1] * 6], dtype=torch.bool)
+    s = policy_gradient_loss(logprobs, old, adv, mask, normalization="sum")
+    tm = policy_gradient_loss(logprobs, old, adv, mask, normalization="token_mean")
+    assert tm.item() == pytest.approx(s.item() / int(mask.sum()), rel=1e-12)
+    terms = clipped_policy_gradient_terms(logprobs, old, adv)
+    per_seq = [(terms[i] * mask[i]).sum() / mask[i].sum() for i in range(4)]
+    sm = policy_gradient_loss(logprobs, old, adv, mask, normalization="sequence_mean")
+    assert sm.item() == pytest.approx(float(sum(per_seq)) / 4, rel=1e-12)
+
+
+def test_per_sequence_advantages_equal_expanded_per_token_advantages():
+    gen = torch.Generator().manual_seed(2)
+    logprobs = -torch.rand(3, 5, dtype=torch.float64, generator=gen)
+    old = logprobs + 0.4 * torch.randn(3, 5, dtype=torch.float64, generator=gen)
+    adv = torch.randn(3, dtype=torch.float64, generator=gen)
+    mask = torch.rand(3, 5, generator=gen) < 0.7
+    a = policy_gradient_loss(logprobs, old, adv, mask, clip_high=0.28, dual_clip=2.0)
+    b = policy_gradient_loss(logprobs, old, adv[:, None].expand(3, 5), mask, clip_high=0.28, dual_clip=2.0)
+    assert torch.equal(a, b)
+
+
+def test_loss_keeps_the_logprob_dtype():
+    logprobs = -torch.rand(2, 3, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert policy_gradient_loss(logprobs, logprobs.detach(), torch.ones(2), mask).dtype == torch.float32
+    assert sft_loss(logprobs, mask).dtype == torch.float32
+
+
+@pytest.mark.parametrize("loss_name", ["pg", "sft"])
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+def test_loss_decomposes_per_sequence(normalization, loss_name):
+    """sum_i sum(term[i] * weights[i]) == loss, in value and in gradient (weights from the whole batch)."""
+    gen = torch.Generator().manual_seed(4)
+    N, L = 5, 7
+    logprobs = (-torch.rand(N, L, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    old = logprobs.detach() + 0.5 * torch.randn(N, L, dtype=torch.float64, generator=gen)
+    adv = torch.randn(N, dtype=torch.float64, generator=gen)
+    lengths = torch.tensor([7, 1, 4, 0, 3])
+    mask = torch.arange(L)[None, :] < lengths[:, None]
+    if loss_name == "pg":
+        whole = policy_gradient_loss(logprobs, old, adv, mask, normalization=normalization, dual_clip=3.0)
+        terms = clipped_policy_gradient_terms(logprobs, old, adv, dual_clip=3.0)
+    else:
+        whole = sft_loss(logprobs, mask, normalization)
+        terms = -logprobs
+    weights = token_weights(mask, normalization)
+    parts = []
+    for i in range(N):
+        row_only = torch.zeros_like(weights)
+        row_only[i] = weights[i]
+        parts.append((terms * row_only).sum())
+    assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-12, abs=1e-15)
+    (g_whole,) = torch.autograd.grad(whole, logprobs, retain_graph=True)
+    g_parts = sum(torch.autograd.grad(p, logprobs, retain_graph=True)[0] for p in parts)
+    assert torch.allclose(g_parts, g_whole, rtol=1e-12, atol=1e-15)
+    assert bool((g_whole[~mask] == 0).all()), "masked tokens must get no gradient"
+    assert bool((g_whole[mask] != 0).any())
