@@ -25,6 +25,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Without a GPU the Triton kernels run under the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile(
     "ci",
     derandomize=True,

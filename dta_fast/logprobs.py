@@ -55,6 +55,8 @@ def gather_logprobs_chunked(hidden: torch.Tensor, head, tree: PrefixTree, chunk_
     out = torch.zeros(N * width, dtype=dtype, device=hidden.device)
     if pieces:
         out = out.index_put((flat_pos,), torch.cat(pieces).to(dtype))
+    else:  # no next-token logprob at all: still return a tensor attached to the graph, as dta_ref does
+        out = out + 0.0 * hidden.sum()
     return out.view(N, width)
 
 

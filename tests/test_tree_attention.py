@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.kernel
 
 import dta_fast  # noqa: E402
 from dta_fast import build_schedule, tree_attention  # noqa: E402
