@@ -33,7 +33,7 @@ settings.register_profile(
     "ci",
     derandomize=True,
     deadline=None,
-    max_examples=25,
+    max_examples=50,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -41,7 +41,7 @@ settings.register_profile(
     "nightly",
     derandomize=False,
     deadline=None,
-    max_examples=300,
+    max_examples=500,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -412,6 +412,11 @@ def _blocks(kernel: str, head_dim: int):
     return (BLOCKS_LARGE_HEAD if head_dim > 128 else BLOCKS)[kernel]
 
 
+def _block_d(head_dim: int) -> int:
+    """Head-dim tile: a power of two, and at least 16 (the smallest tl.dot reduction)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _batch_strides(end, num_m_blocks):
     """Batch strides of subtree_end and of the CSR rows: 0 when one tree serves the whole batch."""
     return (end.stride(0), num_m_blocks) if end.shape[0] > 1 else (0, 0)
@@ -436,7 +441,7 @@ def _forward(q, k, v, schedule, sm_scale):
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         *_batch_strides(end, num_m_blocks),
         Hq, Hq // Hkv, Tq, Tk,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BM, BLOCK_N=BN,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return o, lse
@@ -455,7 +460,7 @@ def _backward_preprocess(o, do):
     BLOCK_T = 16 if INTERPRET else 128
     tree_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BLOCK_T), B * Hq)](
         o, do, delta, *_strides(o), *_strides(do), Hq, Tq,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=BLOCK_T,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
     return delta
 
@@ -471,7 +476,7 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         _batch_strides(end, 0)[0], Hq, Hkv, Hq // Hkv, Tq, Tk,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BM, BLOCK_N=BN,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return dk, dv
@@ -490,7 +495,7 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *_batch_strides(end, num_m_blocks), Hq, Hq // Hkv, Tq, Tk,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BM, BLOCK_N=BN,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return dq

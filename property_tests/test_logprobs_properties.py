@@ -4,8 +4,9 @@
 - Reference decoder in float32: the tree's error against the float64 ground
   truth is at most a small multiple of the per-sequence run's error.
 - Tiny Hugging Face models (Llama, Qwen2, Qwen3; eager and sdpa) in float64:
-  ~1e-6 relative, because transformers computes RMSNorm (and eager softmax)
-  in float32 even in a float64 model.
+  to float32 precision (HF_FLOAT64_REL_TOL, 64 float32 ulps relative), because
+  transformers computes RMSNorm (and eager softmax) in float32 even in a
+  float64 model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from property_tests.strategies import rollout_sets, seeds
 from tests.helpers import (
     HF_ATTN_IMPLEMENTATIONS,
     HF_FAMILIES,
+    HF_FLOAT64_REL_TOL,
     assert_close_report,
     assert_grads_close,
     flatten_grads,
@@ -33,8 +35,10 @@ from tests.helpers import (
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
 EPS32 = torch.finfo(torch.float32).eps
 
-# Hugging Face models are several times slower per example than the reference decoder.
-hf_settings = settings(max_examples=max(2, settings.default.max_examples // 5))
+# The reference decoder is cheap: twice the profile's examples. Hugging Face
+# models cost several times more per example: two fifths of them.
+decoder_settings = settings(max_examples=2 * settings.default.max_examples)
+hf_settings = settings(max_examples=max(2, 2 * settings.default.max_examples // 5))
 
 _hf_models: dict[tuple[str, str], torch.nn.Module] = {}
 
@@ -87,6 +91,7 @@ def all_grads(model, logprobs, losses) -> dict[str, dict[str, torch.Tensor]]:
     return {name: param_grads(model, fn(logprobs), retain_graph=True) for name, fn in losses.items()}
 
 
+@decoder_settings
 @given(sequences=rollout_sets(), seed=seeds())
 def test_decoder_tree_logprobs_equal_flat_float64(sequences, seed):
     model = tiny_decoder(torch.float64, seed=seed % 1000)
@@ -100,6 +105,7 @@ def test_decoder_tree_logprobs_equal_flat_float64(sequences, seed):
     assert bool((tree_lp[tree.logprob_mask] < 0).all()), "a logprob over 64 tokens is negative"
 
 
+@decoder_settings
 @given(sequences=rollout_sets(), seed=seeds())
 def test_decoder_gradients_equal_flat_float64(sequences, seed):
     model = tiny_decoder(torch.float64, seed=seed % 1000)
@@ -115,9 +121,15 @@ def test_decoder_gradients_equal_flat_float64(sequences, seed):
         assert_grads_close(tree_g[name], flat_g[name], rel=1e-10, name=f"{name} grad")
 
 
+@decoder_settings
 @given(sequences=rollout_sets(), seed=seeds())
 def test_decoder_float32_tree_error_within_flat_error(sequences, seed):
-    """err32(tree) <= 4 * err32(flat) + floor, both measured against the float64 run of the same weights."""
+    """err32(tree) <= 4 * err32(flat) + floor, both measured against the float64 run of the same weights.
+
+    The floor, 32 float32 ulps of the largest true value, covers examples where
+    the per-sequence run happens to round almost exactly; a wrong mask or a
+    wrong target is off by orders of magnitude more.
+    """
     model32 = tiny_decoder(torch.float32, seed=seed % 1000)
     model64 = copy.deepcopy(model32).to(torch.float64)
     tree = PrefixTree.from_sequences(sequences)
@@ -134,7 +146,7 @@ def test_decoder_float32_tree_error_within_flat_error(sequences, seed):
     def check(label, tree_x, flat_x, truth_x):
         err_tree = max_abs(tree_x.double() - truth_x)
         err_flat = max_abs(flat_x.double() - truth_x)
-        floor = 8 * EPS32 * max_abs(truth_x)
+        floor = 32 * EPS32 * max_abs(truth_x)
         assert err_tree <= 4 * err_flat + floor, (
             f"{label}: float32 tree error {err_tree:.3e} vs flat error {err_flat:.3e} (floor {floor:.3e})"
         )
@@ -156,9 +168,10 @@ def test_hf_tree_equals_flat_float64(family, impl, sequences, seed):
     tree_lp = dta_ref.tree_logprobs(model, tree)
     flat_lp = dta_ref.flat_logprobs(model, sequences)
     assert model.config._attn_implementation == impl, "the tree path must restore the attention implementation"
-    assert_close_report(tree_lp, flat_lp, atol=1e-6, rtol=1e-6, name=f"{family}-{impl} logprobs")
+    tol = HF_FLOAT64_REL_TOL
+    assert_close_report(tree_lp, flat_lp, atol=tol, rtol=tol, name=f"{family}-{impl} logprobs")
     losses = loss_functions(tree, *loss_inputs(flat_lp, tree, seed), torch.float64)
     tree_g = all_grads(model, tree_lp, losses)
     flat_g = all_grads(model, flat_lp, losses)
     for name in losses:
-        assert_grads_close(tree_g[name], flat_g[name], rel=1e-6, name=f"{family}-{impl} {name} grad")
+        assert_grads_close(tree_g[name], flat_g[name], rel=tol, name=f"{family}-{impl} {name} grad")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dta_ref
@@ -13,10 +13,15 @@ from property_tests.strategies import rollout_sets
 from tests.helpers import brute_force_tree_mask
 
 
+# Tree checks are cheap (no model): run several times the profile's examples.
+cheap = settings(max_examples=4 * settings.default.max_examples)
+
+
 def distinct_prefixes(sequences) -> set[tuple[int, ...]]:
     return {tuple(s[: t + 1]) for s in sequences for t in range(len(s))}
 
 
+@cheap
 @given(
     bounds=st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(1, 5)).flatmap(
         lambda b: st.tuples(st.just(b), rollout_sets(*b))
@@ -30,6 +35,7 @@ def test_strategy_respects_bounds(bounds):
         assert all(isinstance(t, int) and 0 <= t < vocab_size for t in s)
 
 
+@cheap
 @given(rollout_sets())
 def test_tensors_are_long_and_shaped(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -49,6 +55,7 @@ def test_tensors_are_long_and_shaped(sequences):
     assert tree.max_length == L
 
 
+@cheap
 @given(rollout_sets())
 def test_preorder_parent_precedes_child(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -58,6 +65,7 @@ def test_preorder_parent_precedes_child(sequences):
     assert parent[0] == -1, "the first packed token must be a root"
 
 
+@cheap
 @given(rollout_sets())
 def test_depth_is_parent_depth_plus_one(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -67,6 +75,7 @@ def test_depth_is_parent_depth_plus_one(sequences):
         assert depth[i] == expected, f"position_ids[{i}] = {depth[i]}, parent {p}"
 
 
+@cheap
 @given(rollout_sets())
 def test_subtree_end_from_parent_array(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -83,6 +92,7 @@ def test_subtree_end_from_parent_array(sequences):
         assert descendants[j] == set(range(j + 1, end[j])), f"subtree of {j}: end {end[j]}"
 
 
+@cheap
 @given(rollout_sets())
 def test_seq_index_rebuilds_every_sequence(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -97,6 +107,7 @@ def test_seq_index_rebuilds_every_sequence(sequences):
             assert int(parent[row[t]]) == int(row[t - 1]), f"sequence {s} step {t} is not a path"
 
 
+@cheap
 @given(rollout_sets())
 def test_children_of_a_node_have_distinct_tokens(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -104,6 +115,7 @@ def test_children_of_a_node_have_distinct_tokens(sequences):
     assert len(set(pairs)) == len(pairs), "two siblings share a token: not a trie"
 
 
+@cheap
 @given(rollout_sets())
 def test_token_counts_and_compression(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -114,6 +126,7 @@ def test_token_counts_and_compression(sequences):
     assert tree.compression_ratio >= 1.0
 
 
+@cheap
 @given(rollout_sets())
 def test_logprob_mask_marks_next_token_steps(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -124,6 +137,7 @@ def test_logprob_mask_marks_next_token_steps(sequences):
         assert mask[s].tolist() == [t < len(seq) - 1 for t in range(L - 1)]
 
 
+@cheap
 @given(rollout_sets())
 def test_packing_is_lexicographic_preorder(sequences):
     """Children are visited in increasing token order, so packed order = sorted distinct prefixes."""
@@ -144,6 +158,7 @@ def test_packing_is_lexicographic_preorder(sequences):
         assert tree.seq_index[s, : len(seq)].tolist() == [slot[tuple(seq[: t + 1])] for t in range(len(seq))]
 
 
+@cheap
 @given(rollout_sets())
 def test_mask_is_the_prefix_relation(sequences):
     tree = PrefixTree.from_sequences(sequences)
@@ -154,6 +169,7 @@ def test_mask_is_the_prefix_relation(sequences):
     assert bad.numel() == 0, f"mask differs from the prefix relation at (query, key) {bad[:5].tolist()}"
 
 
+@cheap
 @given(rollout_sets(), st.data())
 def test_mask_rows_for_a_query_subset(sequences, data):
     tree = PrefixTree.from_sequences(sequences)
@@ -163,6 +179,7 @@ def test_mask_rows_for_a_query_subset(sequences, data):
     assert torch.equal(dta_ref.mask_from_subtree_end(tree.subtree_end, rows_t), full[rows_t])
 
 
+@cheap
 @given(rollout_sets(), st.randoms(use_true_random=False))
 def test_input_order_does_not_change_the_packing(sequences, rnd):
     perm = list(range(len(sequences)))
@@ -175,6 +192,7 @@ def test_input_order_does_not_change_the_packing(sequences, rnd):
     assert torch.equal(a.lengths[perm], b.lengths)
 
 
+@cheap
 @given(rollout_sets())
 def test_tensor_and_numpy_inputs_give_the_same_tree(sequences):
     ref = PrefixTree.from_sequences(sequences)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import dta_ref
@@ -9,6 +11,7 @@ import dta_ref
 HF_FAMILIES = ("llama", "qwen2", "qwen3")
 HF_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 TINY_VOCAB = 64
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def assert_close_report(actual, expected, atol: float, rtol: float, name: str = "tensor", max_bad: int = 5) -> None:
@@ -89,6 +92,47 @@ def tiny_hf_model(
     torch.manual_seed(seed)
     model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()
+
+
+def _float64_rms_norm(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def hf_exact_float64_copy(model):
+    """A deep copy of a float64 Hugging Face model that computes in float64 throughout.
+
+    transformers casts to float32 inside RMSNorm (and the eager softmax) even
+    in a float64 model, and RMSNorm's backward rounds the gradient through it
+    to float32. In the copy every RMSNorm computes in the input dtype and the
+    model's own attention is sdpa, so tree vs per-sequence through it must
+    agree to float64 precision, and its per-sequence run is the ground truth
+    for the model as built.
+    """
+    exact = copy.deepcopy(model)
+    patched = 0
+    for module in exact.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = _float64_rms_norm.__get__(module)
+            patched += 1
+    if patched == 0:
+        raise RuntimeError(f"no RMSNorm module found in {type(model).__name__}")
+    exact.config._attn_implementation = "sdpa"
+    return exact
+
+
+def assert_no_worse_than(actual, baseline, truth, factor: float, floor: float, name: str = "tensor") -> None:
+    """``max|actual - truth| <= factor * max|baseline - truth| + floor``.
+
+    The tolerance comes from the data: ``baseline`` is the trusted computation
+    at the same precision as ``actual`` (e.g. each sequence alone), ``truth``
+    the same function at higher precision.
+    """
+    truth = torch.as_tensor(truth).detach().to(torch.float64)
+    err = float((torch.as_tensor(actual).detach().to(torch.float64) - truth).abs().max()) if truth.numel() else 0.0
+    base = float((torch.as_tensor(baseline).detach().to(torch.float64) - truth).abs().max()) if truth.numel() else 0.0
+    assert err <= factor * base + floor, (
+        f"{name}: error {err:.3e} vs baseline error {base:.3e} (allowed {factor:g} x baseline + {floor:.3e})"
+    )
 
 
 def param_grads(model, loss: torch.Tensor, retain_graph: bool = False) -> dict[str, torch.Tensor]:

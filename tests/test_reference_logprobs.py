@@ -13,6 +13,7 @@ from dta_ref import PrefixTree
 from tests.helpers import (
     HF_ATTN_IMPLEMENTATIONS,
     HF_FAMILIES,
+    HF_FLOAT64_REL_TOL,
     assert_close_report,
     assert_grads_close,
     param_grads,
@@ -166,10 +167,11 @@ def test_hf_tree_equals_flat(family, impl):
     tree_lp = dta_ref.tree_logprobs(model, tree)
     assert model.config._attn_implementation == impl
     flat_lp = dta_ref.flat_logprobs(model, seqs)
-    assert_close_report(tree_lp, flat_lp, atol=1e-6, rtol=1e-6, name=f"{family}-{impl} logprobs")
+    tol = HF_FLOAT64_REL_TOL
+    assert_close_report(tree_lp, flat_lp, atol=tol, rtol=tol, name=f"{family}-{impl} logprobs")
     tree_g = param_grads(model, weighted_sum(tree_lp, tree))
     flat_g = param_grads(model, weighted_sum(flat_lp, tree))
-    assert_grads_close(tree_g, flat_g, rel=1e-6, name=f"{family}-{impl} grad")
+    assert_grads_close(tree_g, flat_g, rel=tol, name=f"{family}-{impl} grad")
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)

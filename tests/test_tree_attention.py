@@ -76,7 +76,7 @@ def test_named_trees(name, dtype):
 
 @pytest.mark.parametrize(
     "B,Hq,Hkv,D",
-    [(1, 2, 2, 64), (2, 4, 1, 80), (1, 6, 2, 96), (1, 2, 1, 128)],
+    [(1, 2, 2, 8), (1, 2, 2, 64), (2, 4, 1, 80), (1, 6, 2, 96), (1, 2, 1, 128)],
     ids=lambda x: str(x),
 )
 def test_head_dims_and_gqa(B, Hq, Hkv, D):
