@@ -4,6 +4,9 @@ Every function here that has a dta_ref twin has the same name and signature
 and is tested against it, outputs and gradients.
 """
 
+from dta_ref.losses import PolicyGradientLoss, SFTLoss, TokenLoss
+
+from .engine import chunk_tokens_for_budget, tree_backward
 from .logprobs import gather_logprobs_chunked, tree_logprobs
 from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
 
@@ -14,4 +17,9 @@ __all__ = [
     "validate_subtree_end",
     "tree_logprobs",
     "gather_logprobs_chunked",
+    "tree_backward",
+    "chunk_tokens_for_budget",
+    "TokenLoss",
+    "PolicyGradientLoss",
+    "SFTLoss",
 ]

@@ -7,7 +7,15 @@ Triton. It is the ground truth that every dta_fast op is tested against.
 from .attention import attention, mask_from_subtree_end, tree_attention_mask
 from .batches import agentic_batch, grpo_batch
 from .logprobs import flat_logprobs, gather_tree_logprobs, next_token_targets, tree_logprobs
-from .losses import clipped_policy_gradient_terms, policy_gradient_loss, sft_loss, token_weights
+from .losses import (
+    PolicyGradientLoss,
+    SFTLoss,
+    TokenLoss,
+    clipped_policy_gradient_terms,
+    policy_gradient_loss,
+    sft_loss,
+    token_weights,
+)
 from .model import Decoder, DecoderConfig
 from .tree import PrefixTree
 
@@ -26,6 +34,9 @@ __all__ = [
     "clipped_policy_gradient_terms",
     "sft_loss",
     "token_weights",
+    "TokenLoss",
+    "PolicyGradientLoss",
+    "SFTLoss",
     "grpo_batch",
     "agentic_batch",
     "draw_tree",

@@ -105,3 +105,88 @@ def sft_loss(logprobs, loss_mask, normalization: str = "token_mean"):
     _check_padded("loss_mask", loss_mask, logprobs.shape)
     weights = token_weights(loss_mask, normalization).to(logprobs.dtype)
     return -(logprobs * weights).sum()
+
+
+class TokenLoss:
+    """A loss of the form sum over (sequence i, step t) of ``weight[i, t] * term(i, t, logprob[i, t])``.
+
+    Call it as ``loss_fn(i, logprobs_i)`` (sequence i's 1-D next-token
+    logprobs), the form ``dta_fast.tree_backward`` takes for any loss. Because
+    every token's term depends on that token's logprob alone, the engines can
+    also evaluate it a piece at a time with :meth:`terms`, which lets them
+    backpropagate each chunk as soon as it is computed.
+    """
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights  # [N, L], float64
+
+    @property
+    def shape(self):
+        return tuple(self.weights.shape)
+
+    def _term(self, seq, step, logprobs):
+        raise NotImplementedError
+
+    def terms(self, seq: torch.Tensor, step: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Weighted terms of the (seq[p], step[p]) tokens whose logprobs are ``logprobs[p]``."""
+        weights = self.weights.to(logprobs.device)[seq, step].to(logprobs.dtype)
+        return self._term(seq, step, logprobs) * weights
+
+    def __call__(self, i: int, logprobs_i: torch.Tensor) -> torch.Tensor:
+        if logprobs_i.dim() != 1 or logprobs_i.shape[0] > self.weights.shape[1]:
+            raise ValueError(
+                f"logprobs of sequence {i} must be 1-D of length <= {self.weights.shape[1]}, "
+                f"got shape {tuple(logprobs_i.shape)}"
+            )
+        steps = torch.arange(logprobs_i.shape[0], device=logprobs_i.device)
+        seq = torch.full_like(steps, i)
+        return self.terms(seq, steps, logprobs_i).sum()
+
+
+class PolicyGradientLoss(TokenLoss):
+    """:func:`policy_gradient_loss` as a per-sequence ``loss_fn(i, logprobs_i)``.
+
+    Summed over the batch it equals ``policy_gradient_loss(logprobs, ...)``
+    with the same arguments, normalisation included.
+    """
+
+    def __init__(
+        self,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_low: float = 0.2,
+        clip_high: float | None = None,
+        normalization: str = "token_mean",
+        dual_clip: float | None = None,
+    ):
+        _check_padded("old_logprobs", old_logprobs)
+        _check_padded("loss_mask", loss_mask, old_logprobs.shape)
+        _check_padded("advantages", advantages)
+        if advantages.shape not in (old_logprobs.shape[:1], old_logprobs.shape):
+            raise ValueError(
+                f"advantages must be [N] or [N, L] = {tuple(old_logprobs.shape)}, got shape {tuple(advantages.shape)}"
+            )
+        super().__init__(token_weights(loss_mask, normalization))
+        self.old_logprobs = old_logprobs.detach()
+        self.advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach()[:, None].expand_as(
+            old_logprobs
+        )
+        self.clip = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+        clipped_policy_gradient_terms(old_logprobs[:1, :1], old_logprobs[:1, :1], self.advantages[:1, :1], **self.clip)
+
+    def _term(self, seq, step, logprobs):
+        old = self.old_logprobs.to(logprobs.device)[seq, step].to(logprobs.dtype)
+        adv = self.advantages.to(logprobs.device)[seq, step].to(logprobs.dtype)
+        terms = clipped_policy_gradient_terms(logprobs[:, None], old[:, None], adv[:, None], **self.clip)
+        return terms[:, 0]
+
+
+class SFTLoss(TokenLoss):
+    """:func:`sft_loss` as a per-sequence ``loss_fn(i, logprobs_i)``."""
+
+    def __init__(self, loss_mask, normalization: str = "token_mean"):
+        super().__init__(token_weights(loss_mask, normalization))
+
+    def _term(self, seq, step, logprobs):
+        return -logprobs

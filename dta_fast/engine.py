@@ -1,0 +1,379 @@
+"""Depth-first chunked execution: exact gradients with memory bounded by the path.
+
+The preorder forest is cut into chunks of at most ``max_chunk_tokens``
+consecutive packed tokens, visited in order (depth-first). The keys that a
+chunk [a, b) attends outside itself are exactly the ancestors of its first
+token a (docs/chunked_execution.md), so per layer we keep the K/V of the
+chunks that still have unfinished descendants (a stack) and give a chunk its
+ancestors' K/V as a cached prefix (``tree_attention`` with Tq < Tk).
+
+A chunk is *open* from its forward until every chunk holding a descendant of
+its tokens has run its backward; then it *closes*: its backward runs, seeded
+with the loss on its own logprobs and with the dK/dV its descendants left on
+its K/V, and it adds its own prefix dK/dV onto the chunks below it. Closing
+is last-in first-out, so every gradient a chunk needs has arrived when it
+closes. With ``recompute`` a chunk keeps only its K/V while open and redoes
+its forward at close (memory ~ path K/V + one chunk's activations); without
+it the chunk keeps its autograd graph (no second forward, memory ~ the open
+chunks' activations).
+
+The loss is a sum of per-sequence terms ``loss_fn(i, logprobs_i)``. A
+:class:`dta_ref.losses.TokenLoss` (the clipped policy-gradient and SFT
+adapters) is a sum of per-token terms, so each chunk backpropagates its own
+tokens' terms directly. Any other ``loss_fn`` is linearised exactly: a first
+forward pass computes every logprob, autograd gives d loss / d logprob per
+token, and the chunked pass backpropagates ``sum(g * logprob)``, which has
+the same parameter gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dta_ref.attention import attention, mask_from_subtree_end
+from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, next_token_targets, output_head
+from dta_ref.losses import TokenLoss
+from dta_ref.tree import PrefixTree
+
+from .attention import build_schedule, tree_attention
+from .logprobs import LOGITS_CHUNK_ELEMENTS
+
+
+@dataclass
+class _Pairs:
+    """The (sequence, step) slots that hold a logprob, sorted by the packed row they read."""
+
+    rows: torch.Tensor  # [P] packed index of seq_i[t]
+    targets: torch.Tensor  # [P] token seq_i[t+1]
+    seq: torch.Tensor  # [P] i
+    step: torch.Tensor  # [P] t
+
+    @classmethod
+    def of(cls, tree: PrefixTree) -> "_Pairs":
+        rows, targets, valid = next_token_targets(tree)
+        seq, step = valid.nonzero(as_tuple=True)
+        r = rows[seq, step]
+        order = torch.argsort(r, stable=True)
+        return cls(r[order], targets[seq, step][order], seq[order], step[order])
+
+    def span(self, start: int, stop: int) -> slice:
+        """The pairs whose row lies in [start, stop)."""
+        bounds = torch.searchsorted(self.rows, torch.tensor([start, stop], device=self.rows.device)).tolist()
+        return slice(bounds[0], bounds[1])
+
+
+@dataclass
+class _Chunk:
+    start: int
+    stop: int
+    max_end: int  # one past the last token below any of its tokens
+    keys: list = field(default_factory=list)  # per layer [1, Hkv, n, D], detached
+    values: list = field(default_factory=list)
+    dkeys: list = field(default_factory=list)  # per layer float32 accumulators, or None
+    dvalues: list = field(default_factory=list)
+    graph: dict | None = None  # kept autograd state when not recomputing
+
+
+def _pair_logprobs(hidden, head, local_rows, targets):
+    """log p(target | row) for pairs reading rows of ``hidden`` [n, hidden], in vocabulary-bounded pieces."""
+    if local_rows.numel() == 0:
+        return hidden.new_zeros(0, dtype=logprob_dtype(hidden.dtype))
+    chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
+    pieces = []
+    for lo in range(0, local_rows.numel(), chunk_rows):
+        rows, tgt = local_rows[lo : lo + chunk_rows], targets[lo : lo + chunk_rows]
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            pieces.append(checkpoint(_rows_logprobs, hidden, head, rows, tgt, use_reentrant=False))
+        else:
+            pieces.append(_rows_logprobs(hidden, head, rows, tgt))
+    return torch.cat(pieces)
+
+
+def _rows_logprobs(hidden, head, rows, targets):
+    logits = head(hidden[rows])  # [rows, V]
+    logp = torch.log_softmax(logits.to(logprob_dtype(logits.dtype)), dim=-1)
+    return logp.gather(1, targets[:, None]).squeeze(1)
+
+
+class _Engine:
+    def __init__(self, model, tree, attention_impl, recompute):
+        self.model, self.tree = model, tree
+        self.head = output_head(model)
+        self.subtree_end = tree.subtree_end
+        self.pairs = _Pairs.of(tree)
+        self.attention_impl = attention_impl
+        self.recompute = recompute
+
+    # ---------------------------------------------------------------- forward
+
+    def forward_chunk(self, chunk: _Chunk, below: list[_Chunk], grad: bool):
+        """Run one chunk with its ancestors' K/V as prefix. Returns (logprobs of its pairs, K/V, prefix leaves)."""
+        a, b = chunk.start, chunk.stop
+        end = self.subtree_end
+        # the ancestors of token a: tokens of open chunks whose subtree reaches past a
+        selections = [(c, (end[c.start : c.stop] > a).nonzero().squeeze(1)) for c in below]
+        selections = [(c, sel) for c, sel in selections if sel.numel()]
+        prefix_pos = [c.start + sel for c, sel in selections]
+        prefix_pos = torch.cat(prefix_pos) if prefix_pos else end.new_zeros(0)
+        P = prefix_pos.numel()
+        key_end = torch.cat([end[prefix_pos], end[a:b]]).clamp(max=b) - a + P  # local key coordinates
+
+        prefix_leaves: list = []
+        if self.attention_impl == "kernel":
+            schedule = build_schedule(key_end, b - a, validate=False)
+        else:
+            mask = mask_from_subtree_end(key_end, torch.arange(P, P + b - a, device=key_end.device))
+        chunk_k: dict[int, torch.Tensor] = {}
+        chunk_v: dict[int, torch.Tensor] = {}
+
+        def attend(layer, q, k, v, scale):
+            if selections:
+                pk = torch.cat([c.keys[layer][:, :, sel] for c, sel in selections], dim=2)
+                pv = torch.cat([c.values[layer][:, :, sel] for c, sel in selections], dim=2)
+                if grad:
+                    pk, pv = pk.requires_grad_(True), pv.requires_grad_(True)
+                    prefix_leaves.append((layer, pk, pv))
+                k_all, v_all = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
+            else:
+                k_all, v_all = k, v
+            chunk_k[layer], chunk_v[layer] = k, v
+            if self.attention_impl == "kernel":
+                return tree_attention(q, k_all, v_all, scale=scale, schedule=schedule)
+            return attention(q, k_all, v_all, mask, scale)
+
+        with torch.set_grad_enabled(grad):
+            ids = self.tree.tokens[a:b][None]
+            hidden = hidden_states(self.model, ids, self.tree.position_ids[a:b][None], attend)[0]
+            span = self.pairs.span(a, b)
+            logprobs = _pair_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
+        layers = sorted(chunk_k)
+        ks, vs = [chunk_k[i] for i in layers], [chunk_v[i] for i in layers]
+        return logprobs, span, ks, vs, prefix_leaves, selections
+
+    # --------------------------------------------------------------- backward
+
+    def close(self, chunk: _Chunk, below: list[_Chunk], seed):
+        """Backward of a chunk whose descendants are all done."""
+        if self.recompute:
+            logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, below, grad=True)
+        else:
+            g = chunk.graph
+            logprobs, span, ks, vs, leaves, selections = (
+                g["logprobs"], g["span"], g["ks"], g["vs"], g["leaves"], g["selections"],
+            )  # fmt: skip
+            chunk.graph = None
+        tensors, grads = [], []
+        if logprobs.numel() and logprobs.requires_grad:
+            tensors.append(seed(span, logprobs))
+            grads.append(torch.ones_like(tensors[-1]))
+        for outs, accs in ((ks, chunk.dkeys), (vs, chunk.dvalues)):
+            for out, acc in zip(outs, accs):
+                if acc is not None and out.requires_grad:
+                    tensors.append(out)
+                    grads.append(acc.to(out.dtype))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        # pass the prefix gradients down to the chunks that own those keys
+        for layer, pk, pv in leaves:
+            offset = 0
+            for c, sel in selections:
+                n = sel.numel()
+                for grad_full, accs, store in ((pk.grad, c.dkeys, c.keys), (pv.grad, c.dvalues, c.values)):
+                    if grad_full is None:
+                        continue
+                    if accs[layer] is None:  # at least float32, whatever the model's precision
+                        acc_dtype = torch.promote_types(store[layer].dtype, torch.float32)
+                        accs[layer] = torch.zeros(store[layer].shape, dtype=acc_dtype, device=store[layer].device)
+                    accs[layer].index_add_(2, sel, grad_full[:, :, offset : offset + n].to(accs[layer].dtype))
+                offset += n
+        chunk.keys = chunk.values = chunk.dkeys = chunk.dvalues = []  # free
+
+    def run(self, chunks: list[tuple[int, int]], seed, out_logprobs):
+        open_chunks: list[_Chunk] = []
+        end = self.subtree_end
+        for a, b in chunks:
+            while open_chunks and open_chunks[-1].max_end <= a:
+                done = open_chunks.pop()
+                self.close(done, open_chunks, seed)
+            chunk = _Chunk(a, b, int(end[a:b].max()))
+            keep_graph = not self.recompute
+            logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, open_chunks, grad=keep_graph)
+            out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.detach().to(out_logprobs.dtype)
+            chunk.keys = [k.detach() for k in ks]
+            chunk.values = [v.detach() for v in vs]
+            chunk.dkeys = [None] * len(ks)
+            chunk.dvalues = [None] * len(vs)
+            if keep_graph:
+                chunk.graph = dict(logprobs=logprobs, span=span, ks=ks, vs=vs, leaves=leaves, selections=selections)
+            open_chunks.append(chunk)
+        while open_chunks:
+            done = open_chunks.pop()
+            self.close(done, open_chunks, seed)
+
+    def forward_only(self, chunks, out_logprobs):
+        """Every logprob, no gradients: the first pass for a loss that is not a TokenLoss."""
+        saved = self.recompute
+        self.recompute = True
+        open_chunks: list[_Chunk] = []
+        end = self.subtree_end
+        for a, b in chunks:
+            while open_chunks and open_chunks[-1].max_end <= a:
+                open_chunks.pop()
+            chunk = _Chunk(a, b, int(end[a:b].max()))
+            logprobs, span, ks, vs, _, _ = self.forward_chunk(chunk, open_chunks, grad=False)
+            out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.to(out_logprobs.dtype)
+            chunk.keys, chunk.values = ks, vs
+            open_chunks.append(chunk)
+        self.recompute = saved
+
+
+def activation_bytes_per_token(model) -> int:
+    """Estimated bytes of saved activations per packed token for one forward + backward (all layers)."""
+    cfg = model.config
+    hidden = cfg.hidden_size
+    layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
+    heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    inter = cfg.intermediate_size
+    size = next(model.parameters()).element_size()
+    per_layer = 6 * hidden + 3 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
+    return layers * per_layer * size + 4 * hidden * size
+
+
+def kv_bytes_per_token(model) -> int:
+    """K/V kept per token on the path, with its float32 gradient accumulators."""
+    cfg = model.config
+    layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
+    heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    size = next(model.parameters()).element_size()
+    return layers * 2 * kv_heads * head_dim * (size + 4)
+
+
+def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int) -> int:
+    """Largest chunk size whose estimated activation memory fits the budget.
+
+    The budget covers what the step allocates beyond the model's parameters,
+    gradients and optimizer state: one chunk's activations, the vocabulary
+    projection workspace and the K/V (with gradient accumulators) of the
+    deepest path. It is an estimate; benchmarks/bench_training.py measures
+    the real peak.
+    """
+    depth = int(tree.position_ids.max()) + 1
+    logits_workspace = 3 * LOGITS_CHUNK_ELEMENTS * 4
+    path = kv_bytes_per_token(model) * depth
+    per_token = activation_bytes_per_token(model) + kv_bytes_per_token(model)
+    free = memory_budget_bytes - logits_workspace - path
+    if free < per_token:
+        raise ValueError(
+            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: the deepest path "
+            f"({depth} tokens) and the logits workspace need {(logits_workspace + path) / 2**30:.3f} GiB "
+            f"plus {per_token / 2**20:.2f} MiB per chunk token"
+        )
+    return int(free // per_token)
+
+
+def _chunks(T: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, T)) for a in range(0, T, size)]
+
+
+def tree_backward(
+    model,
+    tree: PrefixTree,
+    loss_fn,
+    *,
+    max_chunk_tokens: int | None = None,
+    memory_budget_bytes: int | None = None,
+    recompute: bool | None = None,
+    attention_impl: str = "auto",
+):
+    """Forward and backward over the whole forest, depth-first in chunks; gradients added to ``.grad``.
+
+    ``loss_fn(i, logprobs_i)`` returns sequence i's scalar loss term; the total
+    loss is their sum. Pass ``dta_ref.PolicyGradientLoss`` / ``dta_ref.SFTLoss``
+    for the losses of dta_ref (one pass), or any callable (two passes).
+
+    ``max_chunk_tokens``: chunk size in packed tokens (None: the whole forest
+    as one chunk). ``memory_budget_bytes``: choose the chunk size from an
+    activation-memory budget instead. ``recompute``: redo each chunk's forward
+    at its backward to bound memory by the path (default: on when chunked).
+    ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
+    dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
+
+    Returns ``(logprobs, loss)``: detached per-sequence logprobs [N, Lmax-1]
+    (the layout of ``tree_logprobs``) and the detached total loss.
+    """
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
+    output_head(model)  # rejects unsupported models with a clear error
+    if max_chunk_tokens is not None and memory_budget_bytes is not None:
+        raise ValueError("give max_chunk_tokens or memory_budget_bytes, not both")
+    if memory_budget_bytes is not None:
+        if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float)):
+            raise TypeError(f"memory_budget_bytes must be a number, got {type(memory_budget_bytes).__name__}")
+        max_chunk_tokens = chunk_tokens_for_budget(model, tree, int(memory_budget_bytes))
+    if max_chunk_tokens is not None:
+        if isinstance(max_chunk_tokens, bool) or not isinstance(max_chunk_tokens, int):
+            raise TypeError(f"max_chunk_tokens must be an int, got {type(max_chunk_tokens).__name__}")
+        if max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be at least 1 token, got {max_chunk_tokens}")
+    if attention_impl not in ("auto", "kernel", "reference"):
+        raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
+
+    device = model_device(model)
+    tree = tree.to(device)
+    if attention_impl == "auto":
+        attention_impl = "kernel" if device.type == "cuda" else "reference"
+    T = tree.num_tokens
+    size = T if max_chunk_tokens is None else min(max_chunk_tokens, T)
+    chunks = _chunks(T, size)
+    if recompute is None:
+        recompute = len(chunks) > 1
+    engine = _Engine(model, tree, attention_impl, recompute)
+    pairs = engine.pairs
+    dtype = logprob_dtype(next(model.parameters()).dtype)
+    N, width = tree.num_sequences, tree.max_length - 1
+    logprobs = torch.zeros(N, width, dtype=dtype, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+
+    if isinstance(loss_fn, TokenLoss):
+        if loss_fn.shape != (N, width):
+            raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {(N, width)}")
+
+        def seed(span, chunk_logprobs):
+            nonlocal total
+            terms = loss_fn.terms(pairs.seq[span], pairs.step[span], chunk_logprobs).sum()
+            total = total + terms.detach().double()
+            return terms
+
+    else:
+        engine.forward_only(chunks, logprobs)
+        g = torch.zeros_like(logprobs)
+        for i in range(N):
+            n = int(tree.lengths[i]) - 1
+            lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
+            term = loss_fn(i, lp_i)
+            if not isinstance(term, torch.Tensor) or term.numel() != 1:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor; for sequence {i} it returned "
+                    f"{type(term).__name__} {tuple(getattr(term, 'shape', ()))}"
+                )
+            total = total + term.detach().double().reshape(())
+            if term.requires_grad:
+                (g_i,) = torch.autograd.grad(term.reshape(()), lp_i, allow_unused=True)
+                if g_i is not None:
+                    g[i, :n] = g_i
+
+        def seed(span, chunk_logprobs):
+            return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()
+
+    engine.run(chunks, seed, logprobs)
+    return logprobs, total.to(dtype)
