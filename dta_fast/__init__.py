@@ -6,7 +6,7 @@ and is tested against it, outputs and gradients.
 
 from dta_ref.losses import PolicyGradientLoss, SFTLoss, TokenLoss
 
-from .engine import chunk_tokens_for_budget, tree_backward
+from .engine import chunk_tokens_for_budget, estimated_step_bytes, tree_backward
 from .logprobs import gather_logprobs_chunked, tree_logprobs
 from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
 
@@ -19,6 +19,7 @@ __all__ = [
     "gather_logprobs_chunked",
     "tree_backward",
     "chunk_tokens_for_budget",
+    "estimated_step_bytes",
     "TokenLoss",
     "PolicyGradientLoss",
     "SFTLoss",

@@ -256,27 +256,34 @@ def kv_bytes_per_token(model) -> int:
     return layers * 2 * kv_heads * head_dim * (size + 4)
 
 
-def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int) -> int:
-    """Largest chunk size whose estimated activation memory fits the budget.
-
-    The budget covers what the step allocates beyond the model's parameters,
-    gradients and optimizer state: one chunk's activations, the vocabulary
-    projection workspace and the K/V (with gradient accumulators) of the
-    deepest path. It is an estimate; benchmarks/bench_training.py measures
-    the real peak.
-    """
+def _fixed_bytes(model, tree: PrefixTree) -> int:
+    """Vocabulary projection workspace plus the K/V (with accumulators) of the deepest path."""
     depth = int(tree.position_ids.max()) + 1
-    logits_workspace = 3 * LOGITS_CHUNK_ELEMENTS * 4
-    path = kv_bytes_per_token(model) * depth
+    return 3 * LOGITS_CHUNK_ELEMENTS * 4 + kv_bytes_per_token(model) * depth
+
+
+def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int) -> int:
+    """Estimated activation memory of tree_backward with chunks of ``chunk_tokens`` (recompute on).
+
+    Counts what the step allocates beyond the model's parameters, gradients
+    and optimizer state: one chunk's activations, the vocabulary projection
+    workspace and the K/V (with gradient accumulators) of the deepest path.
+    benchmarks/bench_training.py measures the real peak.
+    """
     per_token = activation_bytes_per_token(model) + kv_bytes_per_token(model)
-    free = memory_budget_bytes - logits_workspace - path
-    if free < per_token:
+    return _fixed_bytes(model, tree) + per_token * chunk_tokens
+
+
+def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int) -> int:
+    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget."""
+    fixed = _fixed_bytes(model, tree)
+    per_token = activation_bytes_per_token(model) + kv_bytes_per_token(model)
+    if memory_budget_bytes - fixed < per_token:
         raise ValueError(
-            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: the deepest path "
-            f"({depth} tokens) and the logits workspace need {(logits_workspace + path) / 2**30:.3f} GiB "
-            f"plus {per_token / 2**20:.2f} MiB per chunk token"
+            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: the deepest path and the "
+            f"logits workspace need {fixed / 2**30:.3f} GiB, plus {per_token / 2**20:.2f} MiB per chunk token"
         )
-    return int(free // per_token)
+    return int((memory_budget_bytes - fixed) // per_token)
 
 
 def _chunks(T: int, size: int) -> list[tuple[int, int]]:

@@ -1,0 +1,182 @@
+"""dta_fast.tree_backward: depth-first chunked execution against per-sequence training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dta_fast
+import dta_ref
+from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
+from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def batch():
+    return (
+        agentic_batch(20, 2, 5, 2, 3, 4, 6, vocab_size=64, seed=1)
+        + grpo_batch(1, 13, 3, 7, vocab_size=64, seed=2)
+        + [[1, 2, 3], [1, 2], [5]]
+    )
+
+
+def flat_reference(model, sequences, loss_of):
+    """Logprobs, loss and parameter gradients of plain per-sequence training."""
+    flat = dta_ref.flat_logprobs(model, sequences)
+    loss = loss_of(flat)
+    return flat.detach(), loss.detach(), param_grads(model, loss)
+
+
+def grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def pg_setup(tree, flat, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = flat + 0.2 * torch.randn(flat.shape, generator=g, dtype=flat.dtype)
+    adv = torch.randn(tree.num_sequences, generator=g, dtype=flat.dtype)
+    return old, adv, tree.logprob_mask
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+@pytest.mark.parametrize("chunk", [None, 1, 5, 16, 1000], ids=lambda c: f"B{c}")
+@pytest.mark.parametrize("normalization", ["token_mean", "sequence_mean", "sum"])
+def test_policy_gradient_float64(chunk, recompute, normalization):
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    flat = dta_ref.flat_logprobs(model, seqs).detach()
+    old, adv, mask = pg_setup(tree, flat)
+    ref_lp, ref_loss, ref_grads = flat_reference(
+        model, seqs, lambda lp: dta_ref.policy_gradient_loss(lp, old, adv, mask, 0.2, 0.28, normalization)
+    )
+    model.zero_grad(set_to_none=True)
+    loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, normalization)
+    lp, loss = dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=chunk, recompute=recompute)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_generic_sequence_loss(chunk):
+    """A loss that is not a sum over tokens (GSPO-like sequence ratio) is linearised exactly."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    adv = torch.linspace(-1, 1, tree.num_sequences, dtype=torch.float64)
+    lengths = tree.lengths - 1
+
+    def loss_fn(i, lp):
+        if lp.numel() == 0:
+            return lp.sum()
+        return -torch.exp(lp.mean()).clamp(max=2.0) * adv[i] + 0.01 * lp.pow(2).sum()
+
+    def total(lp):
+        return sum(loss_fn(i, lp[i, : int(lengths[i])]) for i in range(tree.num_sequences))
+
+    _, ref_loss, ref_grads = flat_reference(model, seqs, total)
+    model.zero_grad(set_to_none=True)
+    _, loss = dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=chunk)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+def test_gradients_accumulate_onto_existing():
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    start = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = start[n].clone()
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=6)
+    assert_grads_close({n: p.grad - start[n] for n, p in model.named_parameters()}, ref_grads, rel=1e-11)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("chunk", [None, 6])
+def test_hf_models(family, chunk):
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_hf_model(family, torch.float64, "sdpa")
+    ref_lp, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask, "sum"))
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask, "sum"), max_chunk_tokens=chunk)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-6)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("chunk", [None, 5, 23])
+def test_kernel_path_float32(chunk):
+    """The Triton kernel with a cached prefix (Tq < Tk) inside the engine."""
+    pytest.importorskip("triton")
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float32).to(DEVICE)
+    exact = copy.deepcopy(model).double()
+    ref_lp, _, ref_grads = flat_reference(exact, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask.to(DEVICE)))
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(
+        model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=chunk, attention_impl="kernel"
+    )
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    assert_grads_close({n: g.double() for n, g in grads_of(model).items()}, ref_grads, rel=1e-4)
+
+
+def test_memory_budget_chooses_chunks():
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    for size in (1, 3, 40):
+        budget = dta_fast.estimated_step_bytes(model, tree, size)
+        assert dta_fast.chunk_tokens_for_budget(model, tree, budget) == size
+        if size > 1:
+            assert dta_fast.chunk_tokens_for_budget(model, tree, budget - 1) == size - 1
+        else:
+            with pytest.raises(ValueError, match="too small"):
+                dta_fast.chunk_tokens_for_budget(model, tree, budget - 1)
+    _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    model.zero_grad(set_to_none=True)
+    budget = dta_fast.estimated_step_bytes(model, tree, 3)
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=budget)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+def test_bad_input():
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+    model = tiny_decoder(torch.float64)
+    sft = SFTLoss(tree.logprob_mask)
+    with pytest.raises(ValueError, match="scalar"):
+        dta_fast.tree_backward(model, tree, lambda i, lp: lp * 2)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=0)
+    with pytest.raises(TypeError, match="max_chunk_tokens must be an int"):
+        dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=2.5)
+    with pytest.raises(ValueError, match="too small"):
+        dta_fast.tree_backward(model, tree, sft, memory_budget_bytes=1000)
+    with pytest.raises(ValueError, match="not both"):
+        dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=4, memory_budget_bytes=2**33)
+    with pytest.raises(TypeError, match="unsupported model"):
+        dta_fast.tree_backward(torch.nn.Linear(3, 3), tree, sft)
+    with pytest.raises(TypeError, match="callable"):
+        dta_fast.tree_backward(model, tree, "sft")
+    with pytest.raises(TypeError, match="PrefixTree"):
+        dta_fast.tree_backward(model, [[1, 2]], sft)
+    with pytest.raises(ValueError, match="built for logprobs of shape"):
+        dta_fast.tree_backward(model, tree, SFTLoss(torch.ones(3, 2, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="attention_impl"):
+        dta_fast.tree_backward(model, tree, sft, attention_impl="flash")
+
+
+def test_unsupported_hf_family():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    tree = PrefixTree.from_sequences([[1, 2, 3]])
+    with pytest.raises(ValueError, match="not supported"):
+        dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
