@@ -28,11 +28,9 @@ the same parameter gradient.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from dta_ref.attention import attention, mask_from_subtree_end
 from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, next_token_targets, output_head
@@ -40,7 +38,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
-from .logprobs import LOGITS_CHUNK_ELEMENTS
+from .logprobs import LOGITS_CHUNK_ELEMENTS, rows_logprobs
 
 
 @dataclass
@@ -76,27 +74,6 @@ class _Chunk:
     dkeys: list = field(default_factory=list)  # per layer float32 accumulators, or None
     dvalues: list = field(default_factory=list)
     graph: dict | None = None  # kept autograd state when not recomputing
-
-
-def _pair_logprobs(hidden, head, local_rows, targets):
-    """log p(target | row) for pairs reading rows of ``hidden`` [n, hidden], in vocabulary-bounded pieces."""
-    if local_rows.numel() == 0:
-        return hidden.new_zeros(0, dtype=logprob_dtype(hidden.dtype))
-    chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
-    pieces = []
-    for lo in range(0, local_rows.numel(), chunk_rows):
-        rows, tgt = local_rows[lo : lo + chunk_rows], targets[lo : lo + chunk_rows]
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            pieces.append(checkpoint(_rows_logprobs, hidden, head, rows, tgt, use_reentrant=False))
-        else:
-            pieces.append(_rows_logprobs(hidden, head, rows, tgt))
-    return torch.cat(pieces)
-
-
-def _rows_logprobs(hidden, head, rows, targets):
-    logits = head(hidden[rows])  # [rows, V]
-    logp = torch.log_softmax(logits.to(logprob_dtype(logits.dtype)), dim=-1)
-    return logp.gather(1, targets[:, None]).squeeze(1)
 
 
 class _Engine:
@@ -149,7 +126,7 @@ class _Engine:
             ids = self.tree.tokens[a:b][None]
             hidden = hidden_states(self.model, ids, self.tree.position_ids[a:b][None], attend)[0]
             span = self.pairs.span(a, b)
-            logprobs = _pair_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
+            logprobs = rows_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
         layers = sorted(chunk_k)
         ks, vs = [chunk_k[i] for i in layers], [chunk_v[i] for i in layers]
         return logprobs, span, ks, vs, prefix_leaves, selections
@@ -383,4 +360,7 @@ def tree_backward(
             return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()
 
     engine.run(chunks, seed, logprobs)
+    for p in model.parameters():  # like loss.backward() on a loss that touches every parameter
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     return logprobs, total.to(dtype)

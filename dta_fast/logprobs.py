@@ -19,26 +19,27 @@ from .attention import build_schedule, tree_attention
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 
 
-def _chunk_logprobs(hidden, head, local_rows, targets):
+def _window_logprobs(hidden, head, local_rows, targets):
     logits = head(hidden)  # [rows, V]
     logp = torch.log_softmax(logits.to(logprob_dtype(logits.dtype)), dim=-1)
     return logp[local_rows, targets]
 
 
-def gather_logprobs_chunked(hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None):
-    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row chunks."""
-    rows, targets, valid = next_token_targets(tree)
-    N, width = rows.shape
-    flat_pos = valid.flatten().nonzero().squeeze(1)  # (sequence, step) slots that hold a logprob
-    pair_rows, pair_targets = rows.flatten()[flat_pos], targets.flatten()[flat_pos]
-    order = torch.argsort(pair_rows, stable=True)
-    pair_rows, pair_targets, flat_pos = pair_rows[order], pair_targets[order], flat_pos[order]
+def rows_logprobs(hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch.Tensor, chunk_rows=None):
+    """log p(targets[p] | hidden[rows[p]]) for ``rows`` sorted ascending.
 
+    Every row's logits are computed once, however many (sequence, step) pairs
+    read it (at a branch point several do), in windows of ``chunk_rows`` rows
+    under activation checkpointing, so at most one window of logits is alive.
+    """
+    dtype = logprob_dtype(hidden.dtype)
+    if rows.numel() == 0:
+        return hidden.new_zeros(0, dtype=dtype)
     T = hidden.shape[0]
     if chunk_rows is None:
         chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
-    bounds = torch.arange(0, T + chunk_rows, chunk_rows, device=hidden.device).clamp(max=T)
-    pair_bounds = torch.searchsorted(pair_rows, bounds).tolist()
+    bounds = torch.arange(0, T + chunk_rows, chunk_rows, device=rows.device).clamp(max=T)
+    pair_bounds = torch.searchsorted(rows, bounds).tolist()
     bounds = bounds.tolist()
     pieces = []
     for c in range(len(bounds) - 1):
@@ -46,15 +47,25 @@ def gather_logprobs_chunked(hidden: torch.Tensor, head, tree: PrefixTree, chunk_
         if lo == hi:
             continue
         r0, r1 = bounds[c], bounds[c + 1]
-        args = (hidden[r0:r1], head, pair_rows[lo:hi] - r0, pair_targets[lo:hi])
+        args = (hidden[r0:r1], head, rows[lo:hi] - r0, targets[lo:hi])
         if torch.is_grad_enabled() and hidden.requires_grad:
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            pieces.append(checkpoint(_window_logprobs, *args, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(*args))
-    dtype = logprob_dtype(hidden.dtype)
-    out = torch.zeros(N * width, dtype=dtype, device=hidden.device)
-    if pieces:
-        out = out.index_put((flat_pos,), torch.cat(pieces).to(dtype))
+            pieces.append(_window_logprobs(*args))
+    return torch.cat(pieces).to(dtype)
+
+
+def gather_logprobs_chunked(hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None):
+    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows."""
+    rows, targets, valid = next_token_targets(tree)
+    N, width = rows.shape
+    flat_pos = valid.flatten().nonzero().squeeze(1)  # (sequence, step) slots that hold a logprob
+    pair_rows, pair_targets = rows.flatten()[flat_pos], targets.flatten()[flat_pos]
+    order = torch.argsort(pair_rows, stable=True)
+    values = rows_logprobs(hidden, head, pair_rows[order], pair_targets[order], chunk_rows)
+    out = torch.zeros(N * width, dtype=logprob_dtype(hidden.dtype), device=hidden.device)
+    if values.numel():
+        out = out.index_put((flat_pos[order],), values)
     else:  # no next-token logprob at all: still return a tensor attached to the graph, as dta_ref does
         out = out + 0.0 * hidden.sum()
     return out.view(N, width)
