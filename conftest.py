@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, settings
 # Without a GPU the Triton kernels run under the interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Kernels use their first tuned config in tests instead of autotuning every shape they meet.
+os.environ.setdefault("DTA_AUTOTUNE", "0")
 
 settings.register_profile(
     "ci",

@@ -142,7 +142,7 @@ def bench_shape(shape, flex_compiled):
                 F.scaled_dot_product_attention(a, b, c, is_causal=True).backward(d)
 
     results["sdpa"] = measure(flat_step, [x for t in flat_inputs for x in t[:3]])
-    del flat_inputs
+    flat_inputs.clear()
 
     if T <= DENSE_MAX_T:
         dense = (torch.arange(T, device="cuda")[None, :] <= torch.arange(T, device="cuda")[:, None]) & (

@@ -154,8 +154,16 @@ def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, va
 
 
 def _configs(kind):
+    """Autotune candidates; DTA_AUTOTUNE=0 keeps only the first (tests set it: correctness does not
+    depend on warps or stages, and tuning every head dim a test uses costs minutes)."""
     if INTERPRET:
         return [triton.Config({}, num_warps=4, num_stages=1)]
+    if os.environ.get("DTA_AUTOTUNE", "1") == "0":
+        return _tuned_configs(kind)[:1]
+    return _tuned_configs(kind)
+
+
+def _tuned_configs(kind):
     # from benchmarks/tune_attention.py on H100/H200 at head dim 128
     if kind == "fwd":
         return [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 3), (4, 4), (8, 2))]

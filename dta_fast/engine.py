@@ -239,16 +239,18 @@ def _fixed_bytes(model, tree: PrefixTree) -> int:
     return 3 * LOGITS_CHUNK_ELEMENTS * 4 + kv_bytes_per_token(model) * depth
 
 
-def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int) -> int:
-    """Estimated activation memory of tree_backward with chunks of ``chunk_tokens`` (recompute on).
+def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
+    """Estimated activation memory of tree_backward with chunks of ``chunk_tokens``.
 
     Counts what the step allocates beyond the model's parameters, gradients
-    and optimizer state: one chunk's activations, the vocabulary projection
-    workspace and the K/V (with gradient accumulators) of the deepest path.
-    benchmarks/bench_training.py measures the real peak.
+    and optimizer state: the vocabulary projection workspace, the K/V (with
+    gradient accumulators) of the deepest path, and activations: one chunk's
+    with ``recompute``, else those of every open chunk (up to the deepest path
+    plus one chunk). benchmarks/bench_training.py measures the real peak.
     """
     per_token = activation_bytes_per_token(model) + kv_bytes_per_token(model)
-    return _fixed_bytes(model, tree) + per_token * chunk_tokens
+    live_tokens = chunk_tokens if recompute else min(tree.num_tokens, chunk_tokens + int(tree.position_ids.max()) + 1)
+    return _fixed_bytes(model, tree) + per_token * live_tokens
 
 
 def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int) -> int:
@@ -285,8 +287,12 @@ def tree_backward(
 
     ``max_chunk_tokens``: chunk size in packed tokens (None: the whole forest
     as one chunk). ``memory_budget_bytes``: choose the chunk size from an
-    activation-memory budget instead. ``recompute``: redo each chunk's forward
-    at its backward to bound memory by the path (default: on when chunked).
+    activation-memory budget instead (:func:`estimated_step_bytes`).
+    ``recompute``: redo each chunk's forward at its backward, so memory is
+    the path's K/V plus one chunk's activations; without it the open chunks
+    keep their graphs (no second forward; activations of the whole path).
+    Default: on when chunked, except that with a budget the engine keeps the
+    graphs whenever the estimate says they fit.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
 
@@ -320,7 +326,10 @@ def tree_backward(
     size = T if max_chunk_tokens is None else min(max_chunk_tokens, T)
     chunks = _chunks(T, size)
     if recompute is None:
-        recompute = len(chunks) > 1
+        # keep the open chunks' graphs (no second forward) when a budget says they fit
+        recompute = len(chunks) > 1 and (
+            memory_budget_bytes is None or estimated_step_bytes(model, tree, size, recompute=False) > memory_budget_bytes
+        )
     engine = _Engine(model, tree, attention_impl, recompute)
     pairs = engine.pairs
     dtype = logprob_dtype(next(model.parameters()).dtype)

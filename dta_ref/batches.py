@@ -40,6 +40,7 @@ def agentic_batch(
     tool_len: int = 300,
     vocab_size: int = 32000,
     seed: int = 0,
+    every_turn: bool = True,
 ) -> list[list[int]]:
     """Agentic multi-turn RL (tau2-bench-like).
 
@@ -47,7 +48,8 @@ def agentic_batch(
     ``rollouts_per_task`` rollouts of ``turns`` turns (an assistant message,
     then a tool output). Every turn is its own training sample holding the
     whole context up to the end of that turn's assistant message, so the
-    samples of one rollout are prefixes of each other.
+    samples of one rollout are prefixes of each other. With
+    ``every_turn=False`` each rollout is one sample, its whole context.
     """
     rng = np.random.default_rng(seed)
     system = _tokens(rng, system_len, vocab_size)
@@ -58,7 +60,8 @@ def agentic_batch(
             context = list(context_start)
             for turn in range(turns):
                 context += _tokens(rng, assistant_len, vocab_size)
-                batch.append(list(context))
+                if every_turn or turn + 1 == turns:
+                    batch.append(list(context))
                 if turn + 1 < turns:
                     context += _tokens(rng, tool_len, vocab_size)
     return batch

@@ -1,0 +1,285 @@
+"""One training step (forward + backward) of a Hugging Face model, per-sequence vs tree.
+
+    python benchmarks/bench_training.py speed  [--model qwen2-0.5b] [--batches grpo agentic]
+    python benchmarks/bench_training.py memory [--model qwen3-1.7b]
+
+Models are built from configs with random weights (bfloat16, SDPA attention).
+The loss is the token-mean SFT loss over every next-token logprob, the same
+for every method. Methods:
+
+  flat         each sequence alone, SDPA flash (causal), gradient accumulation
+  flat_ckpt    the same with activation checkpointing
+  packed       dta_fast.tree_logprobs over the whole forest, one backward
+  tree_B       dta_fast.tree_backward with chunks of B packed tokens (B=all: one chunk)
+
+``speed`` gates every row: the tree methods' logprobs and gradients are
+compared with ``flat`` in the same run. ``memory`` trains agentic forests of
+growing size at a fixed path length and one forest of ~1M unique tokens with
+paths up to 32K, recording the peak memory. Both print a table and write JSON
+(and ``memory`` a plot) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import dta_fast
+from dta_fast.logprobs import rows_logprobs
+from dta_ref import PrefixTree, SFTLoss, agentic_batch, grpo_batch, sft_loss
+
+MODELS = {
+    "qwen2-0.5b": dict(
+        family="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": dict(
+        family="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+BATCHES = {
+    "grpo": ("GRPO P=8K N=16 R=1K", lambda: grpo_batch(1, 8192, 16, 1024, vocab_size=151936)),
+    "grpo2k": ("GRPO P=2K N=8 R=1K", lambda: grpo_batch(1, 2048, 8, 1024, vocab_size=151936)),
+    "agentic": (
+        "agentic 4.8K system, 4 tasks x 4 rollouts x 8 turns",
+        lambda: agentic_batch(num_tasks=4, rollouts_per_task=4, turns=8, vocab_size=151936),
+    ),
+}
+
+
+def build_model(name):
+    import transformers
+
+    spec = dict(MODELS[name])
+    family = spec.pop("family")
+    config_cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    model_cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
+    config = config_cls(**spec, attention_dropout=0.0, max_position_embeddings=65536)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    return model.train()
+
+
+def step_flops(model, tokens, pairs, logit_rows):
+    """Training FLOPs: 6 per parameter per token (embeddings excluded), attention, vocabulary projection."""
+    cfg = model.config
+    dense = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    attention = 12 * pairs * cfg.head_dim * cfg.num_attention_heads * cfg.num_hidden_layers
+    head = 6 * logit_rows * cfg.hidden_size * cfg.vocab_size
+    return 6 * dense * tokens + attention + head
+
+
+def flat_and_tree_flops(model, tree, sequences):
+    lengths = [len(s) for s in sequences]
+    flat = step_flops(model, sum(lengths), sum(n * (n + 1) // 2 for n in lengths), sum(n - 1 for n in lengths))
+    pairs = int((tree.subtree_end - torch.arange(tree.num_tokens)).sum())
+    return flat, step_flops(model, tree.num_tokens, pairs, tree.num_tokens)
+
+
+def flat_step(model, sequences, loss_fn, checkpointing=False):
+    """Each sequence alone: forward, its loss term, backward (gradient accumulation)."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    head = model.get_output_embeddings()
+    width = max(len(s) for s in sequences) - 1
+    out = torch.zeros(len(sequences), width, device="cuda")
+    try:
+        for i, seq in enumerate(sequences):
+            ids = torch.tensor(seq, device="cuda")[None]
+            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+            lp = rows_logprobs(hidden, head, torch.arange(len(seq) - 1, device="cuda"), ids[0, 1:])
+            loss_fn(i, lp).backward()
+            out[i, : lp.numel()] = lp.detach()
+    finally:
+        if checkpointing:
+            model.gradient_checkpointing_disable()
+    return out
+
+
+def packed_step(model, tree, mask):
+    lp = dta_fast.tree_logprobs(model, tree)
+    sft_loss(lp, mask.cuda()).backward()
+    return lp.detach()
+
+
+def run_method(model, fn, repeats):
+    """Wall seconds (median of ``repeats`` after one warm-up) and peak GiB of one step."""
+    times, peak, result = [], 0.0, None
+    for r in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        if r:
+            times.append(time.perf_counter() - t0)
+        peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return sorted(times)[len(times) // 2], peak, result, grads
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def speed(args):
+    model = build_model(args.model)
+    rows = []
+    for key in args.batches:
+        name, make = BATCHES[key]
+        sequences = make()
+        tree = PrefixTree.from_sequences(sequences)
+        mask = tree.logprob_mask
+        flat_flops, tree_flops = flat_and_tree_flops(model, tree, sequences)
+        loss_fn = SFTLoss(mask)
+        methods = {
+            "flat": lambda: flat_step(model, sequences, loss_fn),
+            "flat_ckpt": lambda: flat_step(model, sequences, loss_fn, checkpointing=True),
+            "packed": lambda: packed_step(model, tree, mask),
+        }
+        for budget in args.chunks:
+            label = "tree_all" if budget == 0 else f"tree_{budget}"
+            methods[label] = lambda b=budget: dta_fast.tree_backward(
+                model, tree, loss_fn, max_chunk_tokens=None if b == 0 else b
+            )[0]
+        row = dict(batch=name, model=args.model, sequences=tree.num_sequences, flat_tokens=tree.flat_tokens,
+                   tree_tokens=tree.num_tokens, ideal_speedup=flat_flops / tree_flops, methods={})  # fmt: skip
+        reference = None
+        for label, fn in methods.items():
+            try:
+                seconds, peak, lp, grads = run_method(model, fn, args.repeats)
+            except torch.cuda.OutOfMemoryError:
+                row["methods"][label] = dict(oom=True)
+                torch.cuda.empty_cache()
+                print(f"{name}: {label} out of memory", flush=True)
+                continue
+            entry = dict(seconds=seconds, peak_gib=peak, tokens_per_s=tree.flat_tokens / seconds)
+            if label == "flat":
+                reference = (lp.float().cpu(), grads)
+            elif reference is not None:
+                entry["logprob_max_abs_diff"] = (lp.float().cpu() - reference[0]).abs().max().item()
+                entry["grad_rel_err"] = rel(grads, reference[1])
+                entry["gate_ok"] = entry["grad_rel_err"] < 5e-2 and entry["logprob_max_abs_diff"] < 0.25
+            row["methods"][label] = entry
+            del grads
+            torch.cuda.empty_cache()
+            print(f"{name}: {label} {seconds:.3f} s, {peak:.1f} GiB", flush=True)
+        base = row["methods"].get("flat", {}).get("seconds")
+        for label, entry in row["methods"].items():
+            if base and "seconds" in entry and entry.get("gate_ok", label.startswith("flat")):
+                entry["speedup"] = base / entry["seconds"]
+                entry["fraction_of_ideal"] = entry["speedup"] / row["ideal_speedup"]
+        rows.append(row)
+    print_speed(rows)
+    return rows
+
+
+def print_speed(rows):
+    print(f"\n{'batch':<48} {'method':<11} {'s/step':>8} {'tok/s':>10} {'peak GiB':>9} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'gate':>5}")
+    for row in rows:
+        for label, e in row["methods"].items():
+            if e.get("oom"):
+                print(f"{row['batch']:<48} {label:<11} {'out of memory':>20}")
+                continue
+            gate = "" if "gate_ok" not in e else ("ok" if e["gate_ok"] else "FAIL")
+            print(f"{row['batch']:<48} {label:<11} {e['seconds']:>8.3f} {e['tokens_per_s']:>10.0f} {e['peak_gib']:>9.1f} "
+                  f"{e.get('speedup', float('nan')):>8.2f} {row['ideal_speedup']:>6.2f} {e.get('fraction_of_ideal', float('nan')):>8.2f} {gate:>5}")  # fmt: skip
+
+
+def memory(args):
+    model = build_model(args.model)
+    rows = []
+    chunk = args.chunks[0] if args.chunks and args.chunks[0] else 8192
+    forests = [(f"{t} tasks x 4 rollouts x 60 turns", dict(num_tasks=t)) for t in args.tasks]
+    for name, kw in forests:
+        sequences = agentic_batch(turns=60, rollouts_per_task=4, vocab_size=151936, every_turn=False, **kw)
+        tree = PrefixTree.from_sequences(sequences)
+        loss_fn = SFTLoss(tree.logprob_mask)
+        row = dict(forest=name, model=args.model, tree_tokens=tree.num_tokens, flat_tokens=tree.flat_tokens,
+                   longest_path=int(tree.lengths.max()), chunk_tokens=chunk)  # fmt: skip
+        try:
+            seconds, peak, _, grads = run_method(
+                model, lambda: dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=chunk)[0], 0
+            )
+            del grads
+            row.update(seconds=seconds, peak_gib=peak)
+        except torch.cuda.OutOfMemoryError:
+            row.update(oom=True)
+        torch.cuda.empty_cache()
+        print(row, flush=True)
+        rows.append(row)
+    # the longest single sequence, each alone, without and with activation checkpointing
+    longest = agentic_batch(num_tasks=1, turns=60, rollouts_per_task=1, vocab_size=151936, every_turn=False)
+    for label, ckpt in (("flat one 32K sequence", False), ("flat_ckpt one 32K sequence", True)):
+        try:
+            seconds, peak, _, grads = run_method(
+                model, lambda c=ckpt: flat_step(model, longest, SFTLoss(torch.ones(1, len(longest[0]) - 1)), c), 0
+            )
+            del grads
+            rows.append(dict(forest=label, model=args.model, seconds=seconds, peak_gib=peak))
+        except torch.cuda.OutOfMemoryError:
+            rows.append(dict(forest=label, model=args.model, oom=True))
+        torch.cuda.empty_cache()
+        print(rows[-1], flush=True)
+    print(f"\n{'forest':<36} {'tree tokens':>11} {'flat tokens':>11} {'path':>6} {'s/step':>8} {'peak GiB':>9}")
+    for r in rows:
+        peak = "OOM" if r.get("oom") else f"{r['peak_gib']:.1f}"
+        secs = "-" if r.get("oom") else f"{r['seconds']:.2f}"
+        print(f"{r['forest']:<36} {r.get('tree_tokens', '-'):>11} {r.get('flat_tokens', '-'):>11} {r.get('longest_path', '-'):>6} {secs:>8} {peak:>9}")
+    return rows
+
+
+def plot_memory(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if "tree_tokens" in r and not r.get("oom")]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r["tree_tokens"] / 1e3 for r in pts]
+    a.plot(xs, [r["seconds"] for r in pts], "o-")
+    a.set_xlabel("unique tokens in the forest (K)")
+    a.set_ylabel("seconds per step")
+    b.plot(xs, [r["peak_gib"] for r in pts], "o-")
+    b.set_xlabel("unique tokens in the forest (K)")
+    b.set_ylabel("peak GiB")
+    b.set_ylim(bottom=0)
+    fig.suptitle(f"tree_backward, {pts[0]['model'] if pts else ''}, paths up to 32K tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["speed", "memory"])
+    parser.add_argument("--model", default=None, choices=list(MODELS))
+    parser.add_argument("--batches", nargs="+", default=["grpo", "agentic"], choices=list(BATCHES))
+    parser.add_argument("--chunks", nargs="+", type=int, default=[0, 8192, 2048], help="0 means one chunk")
+    parser.add_argument("--tasks", nargs="+", type=int, default=[1, 2, 4, 10])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    args.model = args.model or ("qwen2-0.5b" if args.mode == "speed" else "qwen3-1.7b")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, model=args.model)
+    rows = speed(args) if args.mode == "speed" else memory(args)
+    stem = f"training_{args.mode}_{args.model}_{gpu}"
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    if args.mode == "memory":
+        plot_memory(rows, out / f"{stem}.png")
+
+
+if __name__ == "__main__":
+    main()
