@@ -10,7 +10,8 @@ for every method. Methods:
   flat         each sequence alone, SDPA flash (causal), gradient accumulation
   flat_ckpt    the same with activation checkpointing
   packed       dta_fast.tree_logprobs over the whole forest, one backward
-  tree_B       dta_fast.tree_backward with chunks of B packed tokens (B=all: one chunk)
+  tree_B       dta_fast.tree_backward with chunks of B packed tokens (B=all: one chunk),
+               recomputing each chunk's forward at its backward; tree_B_keep keeps the graphs
 
 ``speed`` gates every row: the tree methods' logprobs and gradients are
 compared with ``flat`` in the same run. ``memory`` trains agentic forests of
@@ -147,10 +148,13 @@ def speed(args):
             "packed": lambda: packed_step(model, tree, mask),
         }
         for budget in args.chunks:
-            label = "tree_all" if budget == 0 else f"tree_{budget}"
-            methods[label] = lambda b=budget: dta_fast.tree_backward(
-                model, tree, loss_fn, max_chunk_tokens=None if b == 0 else b
-            )[0]
+            for recompute in (True, False) if args.keep and budget else (None,):
+                label = "tree_all" if budget == 0 else f"tree_{budget}" + ("_keep" if recompute is False else "")
+                methods[label] = lambda b=budget, r=recompute: dta_fast.tree_backward(
+                    model, tree, loss_fn, max_chunk_tokens=None if b == 0 else b, recompute=r
+                )[0]
+        if args.skip:
+            methods = {k: v for k, v in methods.items() if k == "flat" or k not in args.skip}
         row = dict(batch=name, model=args.model, sequences=tree.num_sequences, flat_tokens=tree.flat_tokens,
                    tree_tokens=tree.num_tokens, ideal_speedup=flat_flops / tree_flops, methods={})  # fmt: skip
         reference = None
@@ -267,6 +271,8 @@ def main():
     parser.add_argument("--chunks", nargs="+", type=int, default=[0, 8192, 2048], help="0 means one chunk")
     parser.add_argument("--tasks", nargs="+", type=int, default=[1, 2, 4, 10])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--keep", action="store_true", help="also run each chunk size with recompute=False")
+    parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out (flat always runs)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     args.model = args.model or ("qwen2-0.5b" if args.mode == "speed" else "qwen3-1.7b")

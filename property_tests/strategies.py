@@ -68,7 +68,8 @@ def random_trie_rollouts(
     Each new node extends the newest node, hangs under a random earlier one or
     starts a new root (in that order of likelihood). The rollouts are the
     paths to 1..``max_sequences`` randomly chosen nodes, repeats allowed, so
-    they branch at random depths and may end inside each other. ``tokens`` overrides the token strategy (default :func:`token_ids`).
+    they branch at random depths and may end inside each other. ``tokens``
+    overrides the token strategy (default :func:`token_ids`).
     """
     tokens = token_ids(vocab_size) if tokens is None else tokens
     num_nodes = draw(st.integers(1, max_nodes))

@@ -12,7 +12,6 @@ from dta_ref import PrefixTree
 from property_tests.strategies import rollout_sets
 from tests.helpers import brute_force_tree_mask
 
-
 # Tree checks are cheap (no model): run several times the profile's examples.
 cheap = settings(max_examples=4 * settings.default.max_examples)
 
@@ -111,7 +110,7 @@ def test_seq_index_rebuilds_every_sequence(sequences):
 @given(rollout_sets())
 def test_children_of_a_node_have_distinct_tokens(sequences):
     tree = PrefixTree.from_sequences(sequences)
-    pairs = list(zip(tree.parent.tolist(), tree.tokens.tolist()))
+    pairs = list(zip(tree.parent.tolist(), tree.tokens.tolist(), strict=True))
     assert len(set(pairs)) == len(pairs), "two siblings share a token: not a trie"
 
 

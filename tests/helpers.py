@@ -22,6 +22,8 @@ def assert_close_report(actual, expected, atol: float, rtol: float, name: str = 
     their values. NaN in either tensor counts as a mismatch unless both are NaN
     at the same place.
     """
+    if actual is None or expected is None:
+        raise AssertionError(f"{name}: {'actual' if actual is None else 'expected'} is None (a missing gradient?)")
     actual = torch.as_tensor(actual)
     expected = torch.as_tensor(expected)
     if actual.shape != expected.shape:
@@ -57,9 +59,7 @@ def tiny_decoder(dtype: torch.dtype = torch.float64, seed: int = 0, vocab_size: 
     return dta_ref.Decoder(cfg).to(dtype)
 
 
-def tiny_hf_model(
-    family: str, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager", seed: int = 0
-):
+def tiny_hf_model(family: str, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager", seed: int = 0):
     """A seeded tiny Hugging Face causal LM of ``family`` ("llama", "qwen2" or "qwen3").
 
     hidden 32, 2 layers, 4 query heads, 2 KV heads, head_dim 8, vocab 64, no
@@ -137,9 +137,10 @@ def assert_no_worse_than(actual, baseline, truth, factor: float, floor: float, n
 
 def param_grads(model, loss: torch.Tensor, retain_graph: bool = False) -> dict[str, torch.Tensor]:
     """d loss / d parameter for every named parameter (zeros where the loss does not depend on it)."""
-    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in named], [p for _, p in named]
     grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
-    return {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, params, grads)}
+    return {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, params, grads, strict=True)}
 
 
 def flatten_grads(grads: dict[str, torch.Tensor]) -> torch.Tensor:

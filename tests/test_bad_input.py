@@ -135,7 +135,12 @@ ATTENTION_CASES = [
     ),
     case("list-q", lambda: dta_ref.attention(Q.tolist(), K, V, CAUSAL), TypeError, "q must be a tensor"),
     case("3d-q", lambda: dta_ref.attention(Q[0], K, V, CAUSAL), ValueError, r"q must be 4-D \[B, H, T, D\]"),
-    case("k-v-shape", lambda: dta_ref.attention(Q, K, V[:, :, :4], CAUSAL), ValueError, "k and v must have the same shape"),
+    case(
+        "k-v-shape",
+        lambda: dta_ref.attention(Q, K, V[:, :, :4], CAUSAL),
+        ValueError,
+        "k and v must have the same shape",
+    ),
     case(
         "head-dim-mismatch",
         lambda: dta_ref.attention(Q, K[..., :4], V[..., :4], CAUSAL),
@@ -185,7 +190,10 @@ ATTENTION_CASES = [
     case(
         "mask-row-without-keys-one-head",
         lambda: dta_ref.attention(
-            Q, K, V, CAUSAL.expand(1, 4, 5, 5).clone().index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(False))
+            Q,
+            K,
+            V,
+            CAUSAL.expand(1, 4, 5, 5).clone().index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(False)),
         ),
         ValueError,
         "no allowed key",

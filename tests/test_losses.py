@@ -85,8 +85,12 @@ CLIP_CASES = [
 def test_clipped_side_has_zero_gradient(adv, ratio, clipped):
     logprobs = lp(ratio)[None].requires_grad_(True)
     loss = policy_gradient_loss(
-        logprobs, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
-        torch.ones(1, 1, dtype=torch.bool), clip_low=0.2, normalization="sum",
+        logprobs,
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.tensor([adv], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.bool),
+        clip_low=0.2,
+        normalization="sum",
     )
     (grad,) = torch.autograd.grad(loss, logprobs)
     # unclipped term -r A has d/dlogprob = -r A
@@ -128,7 +132,9 @@ def test_empty_mask_gives_zero_loss(normalization):
     mask = torch.zeros(2, 3, dtype=torch.bool)
     logprobs = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(token_weights(mask, normalization), torch.zeros(2, 3, dtype=torch.float64))
-    loss = policy_gradient_loss(logprobs, logprobs, torch.ones(2, dtype=torch.float64), mask, normalization=normalization)
+    loss = policy_gradient_loss(
+        logprobs, logprobs, torch.ones(2, dtype=torch.float64), mask, normalization=normalization
+    )
     assert loss.item() == 0.0
     assert sft_loss(logprobs, mask, normalization).item() == 0.0
 

@@ -92,7 +92,7 @@ def test_matches_sdpa_outputs_and_gradients(shape, kind):
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref_grads = torch.autograd.grad(ref, (q2, k2, v2), grad_out)
-    for name, g, r in zip("qkv", grads, ref_grads):
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         assert_close_report(g, r, atol=1e-12, rtol=1e-11, name=f"d{name}")
 
 
@@ -128,7 +128,7 @@ def test_tree_mask_matches_sdpa(heads):
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
-    for name, g, r in zip("qkv", grads, ref_grads):
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         assert_close_report(g, r, atol=1e-12, rtol=1e-11, name=f"d{name}")
 
 
