@@ -112,16 +112,16 @@ def packed_step(model, tree, mask):
 
 
 def run_method(model, fn, repeats):
-    """Wall seconds (median of ``repeats`` after one warm-up) and peak GiB of one step."""
+    """Wall seconds (median of ``repeats`` after one warm-up; with 0, of one cold step) and peak GiB."""
     times, peak, result = [], 0.0, None
-    for r in range(repeats + 1):
+    for r in range(repeats + 1 if repeats else 1):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         result = fn()
         torch.cuda.synchronize()
-        if r:
+        if r or not repeats:  # repeats=0: one cold step, nothing to warm up for
             times.append(time.perf_counter() - t0)
         peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
     grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
