@@ -265,8 +265,25 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int) -
     return int((memory_budget_bytes - fixed) // per_token)
 
 
-def _chunks(T: int, size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + size, T)) for a in range(0, T, size)]
+def _chunks(tree: PrefixTree, size: int) -> list[tuple[int, int]]:
+    """Consecutive chunks of at most ``size`` tokens, each inside the subtree of its first token's parent.
+
+    A chunk cannot close before every chunk holding a descendant of its tokens
+    has, so a chunk that ran on from the end of one branch into a long sibling
+    branch would hold the first branch's chunks open for the sibling's whole
+    life, and with them, transitively, everything before. Stopping a chunk
+    where its first token's parent's subtree ends keeps the open chunks on the
+    current path.
+    """
+    T = tree.num_tokens
+    parent, end = tree.parent.tolist(), tree.subtree_end.tolist()
+    chunks, a = [], 0
+    while a < T:
+        limit = end[parent[a]] if parent[a] >= 0 else T
+        b = min(a + size, limit)
+        chunks.append((a, b))
+        a = b
+    return chunks
 
 
 def tree_backward(
@@ -324,7 +341,7 @@ def tree_backward(
         attention_impl = "kernel" if device.type == "cuda" else "reference"
     T = tree.num_tokens
     size = T if max_chunk_tokens is None else min(max_chunk_tokens, T)
-    chunks = _chunks(T, size)
+    chunks = _chunks(tree, size)
     if recompute is None:
         # keep the open chunks' graphs (no second forward) when a budget says they fit
         recompute = len(chunks) > 1 and (

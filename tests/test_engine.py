@@ -180,3 +180,36 @@ def test_unsupported_hf_family():
     tree = PrefixTree.from_sequences([[1, 2, 3]])
     with pytest.raises(ValueError, match="not supported"):
         dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
+
+
+def _max_open_chunks(tree, size):
+    """Open chunks at the worst moment of the engine's last-in first-out schedule."""
+    from dta_fast.engine import _chunks
+
+    end, open_ends, worst = tree.subtree_end, [], 0
+    for a, b in _chunks(tree, size):
+        while open_ends and open_ends[-1] <= a:
+            open_ends.pop()
+        open_ends.append(int(end[a:b].max()))
+        worst = max(worst, len(open_ends))
+    return worst
+
+
+def test_open_chunks_do_not_grow_with_the_forest():
+    """Regression: chunks that ran from one branch into its sibling kept every earlier chunk open."""
+    small = PrefixTree.from_sequences(agentic_batch(300, 1, 20, 4, 12, 15, 30, every_turn=False))
+    large = PrefixTree.from_sequences(agentic_batch(300, 6, 20, 4, 12, 15, 30, every_turn=False))
+    assert large.num_tokens > 5 * small.num_tokens
+    for size in (64, 200):
+        assert _max_open_chunks(large, size) <= _max_open_chunks(small, size) + 1
+
+
+def test_chunks_cover_the_forest_in_order():
+    from dta_fast.engine import _chunks
+
+    tree = PrefixTree.from_sequences(batch())
+    for size in (1, 3, 17, 10**6):
+        chunks = _chunks(tree, size)
+        assert chunks[0][0] == 0 and chunks[-1][1] == tree.num_tokens
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(chunks, chunks[1:]))
+        assert all(0 < b - a <= size for a, b in chunks)
