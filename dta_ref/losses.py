@@ -21,6 +21,14 @@ def _check_padded(name: str, x, shape=None) -> torch.Tensor:
     return x
 
 
+def _check_policy_inputs(old_logprobs, advantages, loss_mask, shape) -> None:
+    _check_padded("old_logprobs", old_logprobs, shape)
+    _check_padded("loss_mask", loss_mask, shape)
+    _check_padded("advantages", advantages)
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [N] or [N, L] = {tuple(shape)}, got shape {tuple(advantages.shape)}")
+
+
 def token_weights(loss_mask: torch.Tensor, normalization: str = "token_mean") -> torch.Tensor:
     """Weights [N, L] such that a loss is ``sum(per_token_term * weights)``.
 
@@ -85,13 +93,7 @@ def policy_gradient_loss(
     _check_padded("logprobs", logprobs)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, L], got shape {tuple(logprobs.shape)}")
-    _check_padded("old_logprobs", old_logprobs, logprobs.shape)
-    _check_padded("loss_mask", loss_mask, logprobs.shape)
-    _check_padded("advantages", advantages)
-    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(
-            f"advantages must be [N] or [N, L] = {tuple(logprobs.shape)}, got shape {tuple(advantages.shape)}"
-        )
+    _check_policy_inputs(old_logprobs, advantages, loss_mask, logprobs.shape)
     terms = clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
     weights = token_weights(loss_mask, normalization).to(terms.dtype)
     return (terms * weights).sum()
@@ -161,12 +163,7 @@ class PolicyGradientLoss(TokenLoss):
         dual_clip: float | None = None,
     ):
         _check_padded("old_logprobs", old_logprobs)
-        _check_padded("loss_mask", loss_mask, old_logprobs.shape)
-        _check_padded("advantages", advantages)
-        if advantages.shape not in (old_logprobs.shape[:1], old_logprobs.shape):
-            raise ValueError(
-                f"advantages must be [N] or [N, L] = {tuple(old_logprobs.shape)}, got shape {tuple(advantages.shape)}"
-            )
+        _check_policy_inputs(old_logprobs, advantages, loss_mask, old_logprobs.shape)
         super().__init__(token_weights(loss_mask, normalization))
         self.old_logprobs = old_logprobs.detach()
         self.advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach()[:, None].expand_as(
