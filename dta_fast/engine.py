@@ -88,7 +88,12 @@ class _Engine:
     # ---------------------------------------------------------------- forward
 
     def forward_chunk(self, chunk: _Chunk, below: list[_Chunk], grad: bool):
-        """Run one chunk with its ancestors' K/V as prefix. Returns (logprobs of its pairs, K/V, prefix leaves)."""
+        """Run one chunk with its ancestors' K/V as prefix.
+
+        Returns the logprobs of its (sequence, step) pairs and their span, its
+        per-layer K/V, the prefix K/V leaves (with ``grad``) and which tokens
+        of which open chunks the prefix holds.
+        """
         a, b = chunk.start, chunk.stop
         end = self.subtree_end
         # the ancestors of token a: tokens of open chunks whose subtree reaches past a
@@ -193,8 +198,6 @@ class _Engine:
 
     def forward_only(self, chunks, out_logprobs):
         """Every logprob, no gradients: the first pass for a loss that is not a TokenLoss."""
-        saved = self.recompute
-        self.recompute = True
         open_chunks: list[_Chunk] = []
         end = self.subtree_end
         for a, b in chunks:
@@ -205,7 +208,6 @@ class _Engine:
             out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.to(out_logprobs.dtype)
             chunk.keys, chunk.values = ks, vs
             open_chunks.append(chunk)
-        self.recompute = saved
 
 
 def activation_bytes_per_token(model) -> int:
