@@ -6,9 +6,11 @@ and is tested against it, outputs and gradients.
 
 from dta_ref.losses import PolicyGradientLoss, SFTLoss, TokenLoss
 
+from .distributed import distributed_tree_backward
 from .engine import chunk_tokens_for_budget, estimated_step_bytes, tree_backward
 from .logprobs import gather_logprobs_chunked, tree_logprobs
 from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
+from .partition import CostModel, Partition, partition
 
 __all__ = [
     "tree_attention",
@@ -23,4 +25,8 @@ __all__ = [
     "TokenLoss",
     "PolicyGradientLoss",
     "SFTLoss",
+    "partition",
+    "Partition",
+    "CostModel",
+    "distributed_tree_backward",
 ]

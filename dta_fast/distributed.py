@@ -1,0 +1,114 @@
+"""Distributed tree training: partition the batch across ranks, train each shard as a tree, reduce once.
+
+Every rank passes the same full batch and the same ``loss_fn(i, logprobs_i)``
+(i is the global sequence index). Rank 0 partitions the batch and sends the
+plan to the others; each rank runs :func:`dta_fast.tree_backward` on its own shard, and
+the parameter gradients are summed over ranks, so every rank ends with the
+gradient of the whole batch's loss, the same as one process training the
+whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from dta_ref.losses import TokenLoss
+from dta_ref.tree import PrefixTree
+
+from .engine import tree_backward
+from .partition import partition
+
+
+class _ShardLoss(TokenLoss):
+    """A TokenLoss of the whole batch, seen from one shard (local index j is global index shard[j])."""
+
+    def __init__(self, loss_fn: TokenLoss, shard: list[int], width: int):
+        self.full = loss_fn
+        self.global_index = torch.tensor(shard, dtype=torch.long)
+        super().__init__(loss_fn.weights[self.global_index, :width])
+
+    def terms(self, seq, step, logprobs):
+        return self.full.terms(self.global_index.to(seq.device)[seq], step, logprobs)
+
+
+def _unwrap(model):
+    """The module to run and a context that keeps a DDP wrapper from reducing on its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model.no_sync()
+    return model, contextlib.nullcontext()
+
+
+def _shared_plan(sequences, world, cost_model, rank, group):
+    """Rank 0 partitions and sends the plan (or its error) to all, so ranks agree and none waits forever."""
+    message = [None]
+    if rank == 0:
+        try:
+            message[0] = ("ok", partition(sequences, world, cost_model).shards)
+        except (TypeError, ValueError) as error:
+            message[0] = (type(error).__name__, str(error))
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(message, src=src, group=group)
+    status, payload = message[0]
+    if status != "ok":
+        raise (TypeError if status == "TypeError" else ValueError)(payload)
+    return payload
+
+
+def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_model=None, **options):
+    """Train the whole batch across the ranks of ``group``; every rank's ``.grad`` gets the whole gradient.
+
+    ``model``: a plain module (its gradients are all-reduced here) or a
+    ``DistributedDataParallel`` wrapper (run under ``no_sync`` and reduced here
+    once, so nothing is reduced twice). ``options`` go to ``tree_backward``
+    (``max_chunk_tokens``, ``memory_budget_bytes``, ``recompute``, ...).
+    Gradients already in ``.grad`` are kept and added to, not reduced again.
+
+    Returns ``(loss, logprobs, indices)``: the whole batch's total loss (the
+    same on every rank), and this rank's per-sequence logprobs with the global
+    indices of its sequences.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shard = _shared_plan(sequences, world, cost_model, rank, group)[rank]
+    module, no_sync = _unwrap(model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    device = params[0].device
+
+    kept = [p.grad for p in params]  # reduce only this call's gradients
+    for p in params:
+        p.grad = None
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    logprobs = torch.zeros(0, 0, device=device)
+    if shard:
+        tree = PrefixTree.from_sequences([sequences[i] for i in shard])
+        width = tree.max_length - 1
+        if isinstance(loss_fn, TokenLoss):
+            local_fn = _ShardLoss(loss_fn, shard, width)
+        else:
+
+            def local_fn(j, lp):
+                return loss_fn(shard[j], lp)
+
+        with no_sync:
+            logprobs, loss = tree_backward(module, tree, local_fn, **options)
+        local_loss = loss.detach().double()
+    for p in params:  # a rank with an empty shard still takes part in every collective
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    handles = [dist.all_reduce(p.grad, group=group, async_op=True) for p in params]
+    dist.all_reduce(local_loss, group=group)
+    for h in handles:
+        h.wait()
+    for p, g in zip(params, kept):
+        if g is not None:
+            p.grad += g
+    return local_loss, logprobs, list(shard)

@@ -1,0 +1,729 @@
+"""Split a rollout batch across data-parallel ranks, balancing prefix-tree cost.
+
+Every rank trains on the prefix tree of its own sequences, so a rank's work is
+the cost of that tree, not the sum of its sequences' lengths: rollouts that
+share a prompt are cheap together and expensive apart. :func:`partition`
+gives every sequence to one rank so that the most expensive rank is as cheap
+as it can make it under a :class:`CostModel`, keeping prefixes together where
+that does not hurt the balance.
+
+Cost of a set S of sequences, the cost of its own prefix tree::
+
+    cost(S) = token * unique_tokens + pair * attention_pairs + sequence * |S| + constant
+    attention_pairs = sum_j (subtree_end[j] - j) = sum_i (position_ids[i] + 1)
+
+(the query-key pairs tree attention computes: each token attends to itself
+and its ancestors). An empty S costs 0.
+
+How shard costs are computed without building a trie per shard. Sort the
+batch lexicographically (this is the preorder of the sequences' last tokens)
+and record ``lcp[p]``, the common prefix length of sequences p-1 and p. For a
+subset S listed in that order, its distinct prefixes are the tokens of its
+tree, so ``unique_tokens(S) = sum len - sum lcp(consecutive members)`` and
+``attention_pairs(S) = sum tri(len) - sum tri(lcp(consecutive members))``
+with ``tri(x) = x (x + 1) / 2``; the common prefix of two non-adjacent
+sequences is the minimum of ``lcp`` between them (a sparse-table range
+minimum). A shard's cost is O(|S|) numpy work, exact.
+
+The algorithm:
+
+1. Pieces. Each tree of the forest (the sequences of one first token) is a
+   piece. A piece that costs more than ``slack * cost(batch) / world_size``
+   is split at the first node below its shared ancestor chain where it
+   branches: one piece per child subtree, the sequences that end on the chain
+   itself joining the first child's piece. Split pieces are split again while
+   they are too expensive. A piece duplicates only its ancestor chain. A chain
+   of sequences that are prefixes of one another (and repeats) is never split.
+   Coarse pieces share more, fine pieces balance better, and neither wins
+   everywhere, so LPT runs once per slack in ``SLACKS`` and keeps its best run.
+2. Candidates, each scored by its true maximum shard cost (pieces of one tree
+   on one rank share their ancestors again):
+
+   - ``"lpt"``: longest processing time first: the most expensive piece first,
+     each onto the rank where the resulting shard costs least. That is the
+     least-loaded rank, unless a rank holding part of the same tree shares
+     enough of the piece's ancestors to end lower.
+   - ``"dfs_contiguous"``: the sequences in preorder cut into at most
+     ``world_size`` contiguous runs, with the smallest maximum run cost found
+     by bisection on a threshold (greedy filling is optimal for a fixed
+     threshold because a run's cost grows with the run). Cutting single
+     sequences rather than pieces includes every cut between pieces. Ranks
+     left empty get a cut of the most expensive run.
+   - ``"token_greedy"``: the tree-unaware baseline: single sequences, longest
+     first, each onto the rank with the fewest flat tokens.
+
+3. The candidate with the smallest maximum cost wins (ties: smaller total,
+   then the order above).
+
+Guarantees (tested): with ``piece_costs`` the cost of each piece of the
+reported LPT run alone,
+``candidates["lpt"] <= sum(piece_costs) / world_size + max(piece_costs)``
+(a piece lands no higher than on the least-loaded rank, whose load is at most
+the mean). When no tree was split, pieces share nothing, so
+``sum(piece_costs) = cost(batch) + (len(pieces) - 1) * constant``, the rule
+above is classic LPT, and LPT is within ``4/3 - 1/(3 world_size)`` of the
+best assignment of those pieces.
+
+Limits: whole sequences are assigned (no sequence is cut across ranks); the
+cost model is linear and does not see memory; the splitting rule only cuts
+at branch points, so the balance of one huge unbranched chain cannot improve.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dta_ref.tree import PrefixTree
+
+__all__ = ["CostModel", "Partition", "TreeStats", "partition", "tree_stats"]
+
+METHODS = ("lpt", "dfs_contiguous", "token_greedy")
+# LPT runs once per slack (pieces split while dearer than slack * cost(batch) / world_size); ties go to the first.
+SLACKS = (1.0, 0.75, 1.5, 0.5, 2.0)
+
+# The default cost model: a 1.5B-parameter decoder of 28 layers with 16 query heads of 128.
+DEFAULT_NUM_PARAMS = 1.5e9
+DEFAULT_NUM_LAYERS = 28
+DEFAULT_NUM_HEADS = 16
+DEFAULT_HEAD_DIM = 128
+
+
+def _pair_weight(num_params, num_layers, num_heads, head_dim) -> float:
+    """Attention flops per query-key pair over dense flops per token, both forward + backward."""
+    return 12.0 * head_dim * num_heads * num_layers / (6.0 * num_params)
+
+
+def _tri(x):
+    return x * (x + 1) // 2
+
+
+# ------------------------------------------------------------------ statistics
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """What a prefix tree costs to train: its unique tokens, attention pairs and sequences."""
+
+    unique_tokens: int
+    attention_pairs: int
+    num_sequences: int
+
+
+def tree_stats(x) -> TreeStats:
+    """:class:`TreeStats` of a batch given as token sequences, a :class:`~dta_ref.PrefixTree` or a TreeStats."""
+    if isinstance(x, TreeStats):
+        return x
+    if isinstance(x, PrefixTree):
+        span = x.subtree_end - torch.arange(x.num_tokens, device=x.subtree_end.device)
+        return TreeStats(x.num_tokens, int(span.sum()), x.num_sequences)
+    batch = _Batch(_token_arrays(x))
+    return batch.stats(np.arange(batch.n))
+
+
+# ------------------------------------------------------------------ cost model
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted cost of training on one prefix tree::
+
+        token * unique_tokens + pair * attention_pairs + sequence * num_sequences + constant
+
+    All coefficients are finite and non-negative, not all zero. The default
+    counts cost in tokens of dense work (``token = 1``) for a 1.5B-parameter,
+    28-layer model with 16 heads of 128 (:meth:`for_model`): one attention
+    pair costs ``12 * 128 * 16 * 28 / (6 * 1.5e9) = 7.6e-5`` tokens, so
+    attention equals the dense work of a token at depth ~13K. ``sequence``
+    (per-sequence work such as the loss) and ``constant`` (per-shard overhead)
+    default to 0; :meth:`fit` measures all four.
+    """
+
+    token: float = 1.0
+    pair: float = _pair_weight(DEFAULT_NUM_PARAMS, DEFAULT_NUM_LAYERS, DEFAULT_NUM_HEADS, DEFAULT_HEAD_DIM)
+    sequence: float = 0.0
+    constant: float = 0.0
+
+    def __post_init__(self):
+        for name in ("token", "pair", "sequence", "constant"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"CostModel.{name} must be a number, got {type(value).__name__}")
+            value = float(value)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{name} must be finite and non-negative, got {value}")
+            object.__setattr__(self, name, value)
+        if self.token == self.pair == self.sequence == self.constant == 0:
+            raise ValueError("CostModel needs at least one positive coefficient")
+
+    @classmethod
+    def for_model(
+        cls,
+        num_params: float,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        sequence: float = 0.0,
+        constant: float = 0.0,
+    ) -> CostModel:
+        """Costs in tokens of dense work for a decoder of this shape.
+
+        A token costs ``6 * num_params`` flops forward + backward; an attention
+        pair costs ``4 * head_dim * num_heads`` flops per layer forward (QK^T
+        and PV) and about three times that forward + backward, so::
+
+            pair = 12 * head_dim * num_heads * num_layers / (6 * num_params)
+
+        ``num_heads`` counts query heads; ``num_params`` is the matmul
+        parameters a token passes through (include the output head, leave out
+        the embedding table).
+        """
+        for name, value in (
+            ("num_params", num_params),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("head_dim", head_dim),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        return cls(1.0, _pair_weight(num_params, num_layers, num_heads, head_dim), sequence, constant)
+
+    def of_stats(self, stats: TreeStats) -> float:
+        """The cost of a tree with these statistics (0 for no sequences)."""
+        if stats.num_sequences == 0:
+            return 0.0
+        return (
+            self.token * stats.unique_tokens
+            + self.pair * stats.attention_pairs
+            + self.sequence * stats.num_sequences
+            + self.constant
+        )
+
+    def cost(self, x) -> float:
+        """The cost of the prefix tree of ``x``: token sequences, a PrefixTree or TreeStats."""
+        return self.of_stats(tree_stats(x))
+
+    @classmethod
+    def fit(cls, samples) -> CostModel:
+        """Fit the four coefficients to measured times by non-negative least squares.
+
+        ``samples`` is an iterable of ``(batch, seconds)`` pairs; ``batch`` is
+        anything :func:`tree_stats` takes. Solves
+        ``min ||A c - seconds||, c >= 0`` with rows ``[unique_tokens,
+        attention_pairs, num_sequences, 1]`` (scipy.optimize.nnls when scipy
+        is installed, else an exact numpy solver). The result predicts seconds.
+        """
+        rows, times = [], []
+        for k, sample in enumerate(samples):
+            if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+                raise TypeError(f"sample {k}: expected a (batch, seconds) pair, got {type(sample).__name__}")
+            batch, seconds = sample
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)):
+                raise TypeError(f"sample {k}: seconds must be a number, got {type(seconds).__name__}")
+            if not math.isfinite(seconds) or seconds < 0:
+                raise ValueError(f"sample {k}: seconds must be finite and non-negative, got {seconds}")
+            s = tree_stats(batch)
+            rows.append([s.unique_tokens, s.attention_pairs, s.num_sequences, 1.0])
+            times.append(float(seconds))
+        if not rows:
+            raise ValueError("CostModel.fit needs at least one (batch, seconds) sample")
+        A = np.array(rows, dtype=np.float64)  # [S, 4]
+        y = np.array(times, dtype=np.float64)  # [S]
+        scale = np.abs(A).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef = _nnls(A / scale, y) / scale
+        if not np.any(coef > 0):
+            raise ValueError("CostModel.fit: the best non-negative fit is all zeros (are all times zero?)")
+        return cls(*coef.tolist())
+
+
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.optimize import nnls
+    except ImportError:
+        return _nnls_numpy(A, y)
+    return nnls(A, y)[0]
+
+
+def _nnls_numpy(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact NNLS for a few columns: the least-squares fit on every support, the best non-negative one.
+
+    The optimum is the unconstrained fit on its support, and some optimum
+    has linearly independent support columns, so trying all 2^k supports
+    (smallest first, so ties keep the sparser fit) finds it.
+    """
+    k = A.shape[1]
+    if k > 12:
+        raise ValueError(f"_nnls_numpy tries every support: {k} columns is too many")
+    best = np.zeros(k)
+    best_res = float(y @ y)
+    for mask in sorted(range(1, 1 << k), key=lambda m: (m.bit_count(), m)):
+        cols = [c for c in range(k) if mask >> c & 1]
+        sol = np.linalg.lstsq(A[:, cols], y, rcond=None)[0]
+        if np.any(sol < 0):
+            continue
+        r = A[:, cols] @ sol - y
+        res = float(r @ r)
+        if res < best_res * (1 - 1e-12) - 1e-300:
+            best = np.zeros(k)
+            best[cols] = sol
+            best_res = res
+    return best
+
+
+# ------------------------------------------------------------------ the sorted batch
+
+
+def _fast_array(seq) -> np.ndarray | None:
+    """``seq`` as an int64 array when it is plainly valid; None sends it to PrefixTree's checks."""
+    if isinstance(seq, torch.Tensor):
+        if seq.dtype == torch.bool or seq.dtype.is_floating_point or seq.dtype.is_complex:
+            return None
+        if seq.dim() != 1 or seq.numel() == 0:
+            return None
+        arr = seq.detach().cpu().numpy()
+        if arr.dtype == np.uint64:
+            return None
+        arr = arr.astype(np.int64, copy=False)
+    elif isinstance(seq, np.ndarray):
+        if not np.issubdtype(seq.dtype, np.integer) or seq.ndim != 1 or seq.size == 0 or seq.dtype == np.uint64:
+            return None
+        arr = seq.astype(np.int64, copy=False)
+    elif isinstance(seq, Sequence) and not isinstance(seq, (str, bytes)):
+        if len(seq) == 0:
+            return None
+        # bool is an int subclass but not a token id: exact types only, checked at C speed
+        if not all(t is int or issubclass(t, np.integer) for t in set(map(type, seq))):
+            return None
+        try:
+            arr = np.fromiter(seq, dtype=np.int64, count=len(seq))
+        except (OverflowError, TypeError, ValueError):
+            return None
+    else:
+        return None
+    if arr.min() < 0:
+        return None
+    return arr
+
+
+def _token_arrays(sequences) -> list[np.ndarray]:
+    """Validate ``sequences`` as PrefixTree.from_sequences does and return one int64 array each."""
+    if isinstance(sequences, (torch.Tensor, np.ndarray)) and sequences.ndim == 2:
+        sequences = list(sequences)
+    arrays = []
+    if isinstance(sequences, Sequence) and not isinstance(sequences, (str, bytes)) and len(sequences) > 0:
+        for seq in sequences:
+            arr = _fast_array(seq)
+            if arr is None:
+                break
+            arrays.append(arr)
+        else:
+            return arrays
+    # Something is unusual: the reference builder either names the problem or accepts the batch.
+    tree = PrefixTree.from_sequences(sequences)
+    return [tree.sequence(i).numpy() for i in range(tree.num_sequences)]
+
+
+def _sort_with_lcp(arrays: list[np.ndarray], lengths: list[int]) -> tuple[list[int], list[int]]:
+    """Lexicographic order of ``arrays`` and each one's common prefix length with its predecessor.
+
+    Most-significant-first partitioning: a group of sequences known to share
+    p tokens finds q, the length all of them share, emits the ones that end
+    there, and splits the rest by their token at q. Comparisons are numpy,
+    and a group compares only up to the shortest common prefix seen so far.
+    """
+    order: list[int] = []
+    lcp: list[int] = []
+    stack = [(list(range(len(arrays))), 0, 0)]  # members, shared length, lcp of its first with the one before
+    while stack:
+        members, p, first = stack.pop()
+        if len(members) == 1:
+            order.append(members[0])
+            lcp.append(first)
+            continue
+        ref = arrays[members[0]]
+        q = lengths[members[0]]
+        for m in members[1:]:
+            end = min(q, lengths[m])
+            if end > p:
+                diff = np.flatnonzero(arrays[m][p:end] != ref[p:end])
+                if diff.size:
+                    end = p + int(diff[0])
+            q = end
+        groups: dict[int, list[int]] = {}
+        ended = 0
+        for m in members:
+            if lengths[m] == q:
+                order.append(m)
+                lcp.append(first if ended == 0 else q)
+                ended += 1
+            else:
+                groups.setdefault(int(arrays[m][q]), []).append(m)
+        keys = sorted(groups)
+        for k in reversed(range(len(keys))):
+            stack.append((groups[keys[k]], q + 1, first if k == 0 and ended == 0 else q))
+    return order, lcp
+
+
+class _Batch:
+    """The batch in lexicographic order (the preorder of the sequences' last tokens).
+
+    Position p is the p-th sequence in that order and ``order[p]`` its index
+    in the input; ``lcp[p]`` is its common prefix length with position p-1
+    (0 at p = 0, and 0 exactly where a new tree starts). The common prefix of
+    positions p < r is ``min(lcp[p+1 .. r])``.
+    """
+
+    def __init__(self, arrays: list[np.ndarray]):
+        lengths = [int(a.shape[0]) for a in arrays]
+        order, lcp = _sort_with_lcp(arrays, lengths)
+        self.n = len(arrays)
+        self.order = np.asarray(order, dtype=np.int64)  # [N] input index
+        self.length = np.asarray(lengths, dtype=np.int64)[self.order]  # [N]
+        self.lcp = np.asarray(lcp, dtype=np.int64)  # [N]
+        # sparse table: _table[k, p] = min(lcp[p : p + 2^k])
+        levels = max(1, self.n.bit_length())
+        table = np.full((levels, self.n), np.iinfo(np.int64).max, dtype=np.int64)
+        table[0] = self.lcp
+        for k in range(1, levels):
+            half = 1 << (k - 1)
+            width = self.n - (1 << k) + 1
+            if width <= 0:
+                break
+            table[k, :width] = np.minimum(table[k - 1, :width], table[k - 1, half : half + width])
+        self._table = table
+        self._log2 = np.zeros(self.n + 1, dtype=np.int64)
+        for w in range(2, self.n + 1):
+            self._log2[w] = self._log2[w >> 1] + 1
+        # contiguous runs: tokens and pairs each position adds after its predecessor
+        self._cum_tokens = np.cumsum(self.length - self.lcp)
+        self._cum_pairs = np.cumsum(_tri(self.length) - _tri(self.lcp))
+        self.tree_of = np.cumsum(self.lcp == 0) - 1  # [N] which tree (first token) each position is in
+
+    def common(self, p: int, r: int) -> int:
+        """Common prefix length of positions p < r."""
+        k = int(self._log2[r - p])
+        return int(min(self._table[k, p + 1], self._table[k, r - (1 << k) + 1]))
+
+    def range_min(self, lo, hi):
+        """min(lcp[lo .. hi]) (inclusive, lo <= hi), for scalars or arrays."""
+        k = self._log2[np.asarray(hi) - np.asarray(lo) + 1]
+        return np.minimum(self._table[k, lo], self._table[k, np.asarray(hi) - (1 << k) + 1])
+
+    def stats(self, positions: np.ndarray) -> TreeStats:
+        """Stats of the tree of the sequences at ``positions`` (sorted, distinct)."""
+        if positions.size == 0:
+            return TreeStats(0, 0, 0)
+        lens = self.length[positions]
+        shared = self.range_min(positions[:-1] + 1, positions[1:]) if positions.size > 1 else lens[:0]
+        return TreeStats(
+            int(lens.sum() - shared.sum()), int(_tri(lens).sum() - _tri(shared).sum()), int(positions.size)
+        )
+
+    def run_stats(self, i: int, j: int) -> TreeStats:
+        """Stats of the contiguous run of positions i..j."""
+        li = int(self.length[i])
+        return TreeStats(
+            li + int(self._cum_tokens[j] - self._cum_tokens[i]),
+            int(_tri(li)) + int(self._cum_pairs[j] - self._cum_pairs[i]),
+            j - i + 1,
+        )
+
+    def children(self, i: int, j: int) -> list[tuple[int, int]] | None:
+        """Split run i..j (one subtree) below its shared ancestor chain; None for a chain.
+
+        Sequences that end on the chain come first in preorder and join the
+        first child's run, so every run stays contiguous.
+        """
+        st = i
+        while st < j:
+            q = int(self.range_min(st + 1, j))
+            if self.length[st] != q:
+                break
+            st += 1  # sequence st is the chain itself: a prefix of all after it
+        if st == j:
+            return None
+        cuts = (np.flatnonzero(self.lcp[st + 1 : j + 1] == q) + st + 1).tolist()
+        starts = [i] + cuts
+        ends = [c - 1 for c in cuts] + [j]
+        return list(zip(starts, ends))
+
+
+# ------------------------------------------------------------------ the partition
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """Which sequences each rank trains on, and what that is predicted to cost.
+
+    shards[r]         sorted input indices of rank r's sequences (may be empty)
+    costs[r]          predicted cost of rank r's own prefix tree (0 when empty)
+    unique_tokens[r]  tokens of rank r's prefix tree
+    flat_tokens[r]    sum of rank r's sequence lengths
+    compression[r]    flat_tokens / unique_tokens (1.0 for an empty shard)
+    method            the candidate that won: "lpt", "dfs_contiguous" or "token_greedy"
+    balance           max(costs) / mean(costs), the mean over all ranks
+    lower_bound       max(cost(batch) / world_size, max cost of one sequence alone): no
+                      assignment of whole sequences has a smaller maximum, because shard
+                      costs add up to at least the whole batch's cost (a union of trees
+                      shares tokens, never adds any) and the shard holding the most
+                      expensive sequence costs at least that sequence's own tree
+    candidates        method -> its maximum shard cost
+    pieces            the units the best LPT run assigned (sorted input indices), in preorder
+    piece_costs       cost of each piece alone
+    piece_target      the cost above which that run split a piece (slack * cost(batch) / world_size)
+    """
+
+    shards: list[list[int]]
+    costs: list[float]
+    unique_tokens: list[int]
+    flat_tokens: list[int]
+    compression: list[float]
+    method: str
+    balance: float
+    lower_bound: float
+    candidates: dict[str, float]
+    pieces: list[list[int]]
+    piece_costs: list[float]
+    piece_target: float
+    cost_model: CostModel = field(repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shards)
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.costs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Partition(world_size={self.world_size}, method={self.method!r}, max_cost={self.max_cost:.6g}, "
+            f"balance={self.balance:.4f}, lower_bound={self.lower_bound:.6g}, "
+            f"candidates={{{', '.join(f'{k!r}: {v:.6g}' for k, v in self.candidates.items())}}})"
+        )
+
+
+def _pieces(batch: _Batch, model: CostModel, target: float) -> list[tuple[int, int]]:
+    """Runs of positions, in preorder: whole trees, split at branch points while dearer than ``target``."""
+    pieces: list[tuple[int, int]] = []
+    tree_starts = np.flatnonzero(batch.lcp == 0).tolist() + [batch.n]
+    stack = [(a, b - 1) for a, b in itertools.pairwise(tree_starts)][::-1]
+    while stack:
+        i, j = stack.pop()
+        children = None
+        if j > i and model.of_stats(batch.run_stats(i, j)) > target:
+            children = batch.children(i, j)
+        if children is None:
+            pieces.append((i, j))
+        else:
+            stack.extend(reversed(children))
+    return pieces
+
+
+def _lpt(batch: _Batch, model: CostModel, pieces, piece_costs, world_size) -> tuple[list[np.ndarray], list[float]]:
+    """Most expensive piece first, each onto the rank where the resulting shard costs least.
+
+    Without sharing that is the least-loaded rank (classic LPT); a rank that
+    already holds part of the piece's tree may win because it shares the
+    ancestors. Either way the chosen rank ends at most at the least-loaded
+    rank's load plus the piece's cost, which is what LPT's bound needs.
+    Returns the shards (positions) and their costs as tracked on the way.
+    """
+    loads = [0.0] * world_size
+    starts: list[list[int]] = [[] for _ in range(world_size)]  # sorted run starts per rank
+    ends: list[list[int]] = [[] for _ in range(world_size)]
+    holders: dict[int, list[int]] = {}  # tree -> ranks holding some of it
+    tree_of = batch.tree_of
+
+    def shared(g):
+        return model.token * g + model.pair * (g * (g + 1) // 2)
+
+    for k in sorted(range(len(pieces)), key=lambda k: -piece_costs[k]):
+        i, j = pieces[k]
+        tree = int(tree_of[i])
+        best = min(range(world_size), key=loads.__getitem__)
+        best_load = loads[best] + piece_costs[k] - (model.constant if starts[best] else 0.0)
+        for r in holders.get(tree, ()):
+            at = bisect.bisect_left(starts[r], i)
+            before = ends[r][at - 1] if at > 0 else None
+            after = starts[r][at] if at < len(starts[r]) else None
+            gain = 0.0
+            if before is not None:
+                gain += shared(batch.common(before, i))
+            if after is not None:
+                gain += shared(batch.common(j, after))
+            if before is not None and after is not None:
+                gain -= shared(batch.common(before, after))
+            load = loads[r] + piece_costs[k] - model.constant - gain
+            if load < best_load or (load == best_load and r < best):
+                best, best_load = r, load
+        at = bisect.bisect_left(starts[best], i)
+        starts[best].insert(at, i)
+        ends[best].insert(at, j)
+        loads[best] = best_load
+        if best not in holders.setdefault(tree, []):
+            holders[tree].append(best)
+    shards = [
+        np.concatenate([np.arange(a, b + 1) for a, b in zip(starts[r], ends[r])])
+        if starts[r]
+        else np.zeros(0, dtype=np.int64)
+        for r in range(world_size)
+    ]
+    return shards, loads
+
+
+def _token_greedy(batch: _Batch, world_size) -> list[np.ndarray]:
+    loads = np.zeros(world_size, dtype=np.int64)
+    owner = np.empty(batch.n, dtype=np.int64)
+    for p in np.lexsort((batch.order, -batch.length)).tolist():
+        r = int(np.argmin(loads))
+        owner[p] = r
+        loads[r] += batch.length[p]
+    return [np.flatnonzero(owner == r) for r in range(world_size)]
+
+
+def _dfs_contiguous(batch: _Batch, model: CostModel, world_size) -> list[np.ndarray]:
+    n = batch.n
+    length, lcp = batch.length.astype(np.float64), batch.lcp.astype(np.float64)
+    added = model.token * (length - lcp) + model.pair * (_tri(length) - _tri(lcp)) + model.sequence
+    cum = np.cumsum(added)  # cost of run i..j = base[i] + cum[j]
+    base = model.token * lcp + model.pair * _tri(lcp) - np.concatenate([[0.0], cum[:-1]]) + model.constant
+
+    def run_cost(i, j):
+        return base[i] + cum[j]
+
+    def fill(threshold):
+        runs, i = [], 0
+        while i < n:
+            if len(runs) == world_size:
+                return None
+            j = int(np.searchsorted(cum, threshold - base[i], side="right")) - 1
+            if j < i:
+                return None
+            runs.append((i, j))
+            i = j + 1
+        return runs
+
+    lo = float((base + cum).max())  # below the dearest single sequence nothing fits
+    runs = [(0, n - 1)]
+    hi = float(run_cost(0, n - 1))
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        attempt = fill(mid)
+        if attempt is None:
+            lo = mid
+        else:
+            hi, runs = mid, attempt
+    # idle ranks: cut the most expensive run where its larger half is smallest
+    while len(runs) < world_size:
+        splittable = [k for k, (i, j) in enumerate(runs) if j > i]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda k: run_cost(*runs[k]))
+        i, j = runs[k]
+        cut = np.arange(i, j)  # last position of the left half
+        left = base[i] + cum[cut]
+        right = base[cut + 1] + cum[j]
+        c = int(cut[np.argmin(np.maximum(left, right))])
+        runs[k : k + 1] = [(i, c), (c + 1, j)]
+    shards = [np.arange(i, j + 1) for i, j in runs]
+    shards += [np.zeros(0, dtype=np.int64)] * (world_size - len(shards))
+    return shards
+
+
+def _check_world_size(world_size) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return int(world_size)
+
+
+def _check_slacks(slack) -> tuple[float, ...]:
+    if slack is None:
+        return SLACKS
+    values = tuple(slack) if isinstance(slack, (tuple, list)) else (slack,)
+    if not values:
+        raise ValueError("slack must be a number or a non-empty list of numbers")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"slack must be a number or a list of numbers, got {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"slack must be finite and positive, got {value}")
+    return tuple(float(v) for v in values)
+
+
+def partition(sequences, world_size: int, cost_model: CostModel | None = None, *, slack=None) -> Partition:
+    """Assign every sequence of ``sequences`` to one of ``world_size`` ranks, minimising the maximum shard cost.
+
+    ``sequences`` is what :meth:`dta_ref.PrefixTree.from_sequences` takes (token lists or
+    1-D integer tensors/arrays, or one 2-D one), with at least ``world_size`` of them.
+    ``cost_model`` defaults to ``CostModel()``. A piece costing more than ``slack``
+    times the per-rank share ``cost(batch) / world_size`` is split at branch points
+    (see the module docstring); ``slack`` is a number or a list of them, each tried
+    with LPT, by default ``SLACKS``. Returns a :class:`Partition`.
+    """
+    world_size = _check_world_size(world_size)
+    if cost_model is None:
+        cost_model = CostModel()
+    elif not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
+    slacks = _check_slacks(slack)
+    arrays = _token_arrays(sequences)
+    if world_size > len(arrays):
+        raise ValueError(
+            f"world_size={world_size} is more ranks than sequences ({len(arrays)}): every rank needs at least one"
+        )
+    batch = _Batch(arrays)
+    model = cost_model
+    n = batch.n
+    total = model.of_stats(batch.run_stats(0, n - 1))
+
+    def score(shards):
+        stats = [batch.stats(s) for s in shards]
+        costs = [model.of_stats(s) for s in stats]
+        return max(costs), sum(costs), shards, stats, costs
+
+    lpt_runs = []
+    for k, value in enumerate(slacks):
+        target = value * total / world_size
+        pieces = _pieces(batch, model, target)
+        piece_costs = [model.of_stats(batch.run_stats(i, j)) for i, j in pieces]
+        lpt_runs.append((score(_lpt(batch, model, pieces, piece_costs, world_size)[0]), k, target, pieces, piece_costs))
+    lpt, _, target, pieces, piece_costs = min(lpt_runs, key=lambda run: (run[0][0], run[0][1], run[1]))
+    scored = {
+        "lpt": lpt,
+        "dfs_contiguous": score(_dfs_contiguous(batch, model, world_size)),
+        "token_greedy": score(_token_greedy(batch, world_size)),
+    }
+    method = min(METHODS, key=lambda m: (scored[m][0], scored[m][1], METHODS.index(m)))
+    _, _, positions, stats, costs = scored[method]
+    flat = [int(batch.length[s].sum()) for s in positions]
+    mean = sum(costs) / world_size
+    singles = model.token * batch.length + model.pair * _tri(batch.length) + model.sequence + model.constant
+    return Partition(
+        shards=[np.sort(batch.order[s]).tolist() for s in positions],
+        costs=costs,
+        unique_tokens=[s.unique_tokens for s in stats],
+        flat_tokens=flat,
+        compression=[f / s.unique_tokens if s.unique_tokens else 1.0 for f, s in zip(flat, stats)],
+        method=method,
+        balance=max(costs) / mean,
+        lower_bound=max(total / world_size, float(singles.max())),
+        candidates={m: scored[m][0] for m in METHODS},
+        pieces=[np.sort(batch.order[i : j + 1]).tolist() for i, j in pieces],
+        piece_costs=piece_costs,
+        piece_target=target,
+        cost_model=model,
+    )
