@@ -66,40 +66,45 @@ def _generic_loss(adv):
     return loss_fn
 
 
-def _worker(rank, world, init_file, kind, wrap_ddp, generic, chunk, batch, expected, shards=None):
+def _worker(rank, world, init_file, *args):
     sys.path.insert(0, ROOT)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        import dta_fast
-
-        if shards is not None:  # force a plan, e.g. one with empty shards
-            dta_fast.distributed.partition = lambda *args: SimpleNamespace(shards=shards)
-        sequences = _batch(batch)
-        exp_loss, exp_grads, (old, adv, mask) = expected
-        model = _model(kind)
-        start = [torch.full_like(p, 0.25) for p in model.parameters()]
-        for p, s in zip(model.parameters(), start):
-            p.grad = s.clone()  # gradients already there are kept and added to
-        if wrap_ddp:
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
-        loss, logprobs, indices = dta_fast.distributed_tree_backward(model, sequences, loss_fn, max_chunk_tokens=chunk)
-        module = model.module if wrap_ddp else model
-        # transformers runs RMSNorm in float32 even in a float64 model (CONTRIBUTING.md, tolerance policy)
-        rel = 1e-10 if kind == "decoder" else 1e-5
-        torch.testing.assert_close(loss, exp_loss, rtol=rel, atol=rel)
-        scale = max(g.abs().max().item() for g in exp_grads)
-        for p, s, g in zip(module.parameters(), start, exp_grads):
-            torch.testing.assert_close(p.grad - s, g, rtol=0, atol=rel * scale)
-        if indices:  # this rank's logprobs are those of its sequences
-            flat = dta_ref.flat_logprobs(module, [sequences[i] for i in indices])
-            torch.testing.assert_close(logprobs, flat.detach(), rtol=0, atol=rel)
-        all_indices = [None] * world
-        dist.all_gather_object(all_indices, indices)
-        assert sorted(i for part in all_indices for i in part) == list(range(len(sequences)))
+        _check_rank(world, *args)  # a function of its own: its DDP wrapper is gone before the group is
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=None):
+    import dta_fast
+
+    if shards is not None:  # force a plan, e.g. one with empty shards
+        dta_fast.distributed.partition = lambda *args: SimpleNamespace(shards=shards)
+    sequences = _batch(batch)
+    exp_loss, exp_grads, (old, adv, mask) = expected
+    model = _model(kind)
+    start = [torch.full_like(p, 0.25) for p in model.parameters()]
+    for p, s in zip(model.parameters(), start):
+        p.grad = s.clone()  # gradients already there are kept and added to
+    if wrap_ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
+    loss, logprobs, indices = dta_fast.distributed_tree_backward(model, sequences, loss_fn, max_chunk_tokens=chunk)
+    module = model.module if wrap_ddp else model
+    # transformers runs RMSNorm in float32 even in a float64 model (CONTRIBUTING.md, tolerance policy)
+    rel = 1e-10 if kind == "decoder" else 1e-5
+    torch.testing.assert_close(loss, exp_loss, rtol=rel, atol=rel)
+    scale = max(g.abs().max().item() for g in exp_grads)
+    for p, s, g in zip(module.parameters(), start, exp_grads):
+        torch.testing.assert_close(p.grad - s, g, rtol=0, atol=rel * scale)
+    if indices:  # this rank's logprobs are those of its sequences
+        flat = dta_ref.flat_logprobs(module, [sequences[i] for i in indices])
+        torch.testing.assert_close(logprobs, flat.detach(), rtol=0, atol=rel)
+    all_indices = [None] * world
+    dist.all_gather_object(all_indices, indices)
+    assert sorted(i for part in all_indices for i in part) == list(range(len(sequences)))
 
 
 def _spawn(tmp_path, world, kind="decoder", wrap_ddp=False, generic=False, chunk=None, batch="mixed", shards=None):
@@ -165,19 +170,24 @@ def _nccl_worker(rank, world, init_file, expected):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        import dta_fast
-
-        exp_loss, exp_grads, (old, adv, mask) = expected
-        model = _model("decoder").float().cuda()
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
-        loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
-        loss, _, _ = dta_fast.distributed_tree_backward(model, _batch(), loss_fn, max_chunk_tokens=8)
-        torch.testing.assert_close(loss.cpu(), exp_loss, rtol=1e-4, atol=1e-5)
-        scale = max(g.abs().max().item() for g in exp_grads)
-        for p, g in zip(model.module.parameters(), exp_grads):
-            torch.testing.assert_close(p.grad.double().cpu(), g, rtol=0, atol=1e-4 * scale)
+        _check_nccl_rank(rank, expected)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _check_nccl_rank(rank, expected):
+    import dta_fast
+
+    exp_loss, exp_grads, (old, adv, mask) = expected
+    model = _model("decoder").float().cuda()
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
+    loss, _, _ = dta_fast.distributed_tree_backward(model, _batch(), loss_fn, max_chunk_tokens=8)
+    torch.testing.assert_close(loss.cpu(), exp_loss, rtol=1e-4, atol=1e-5)
+    scale = max(g.abs().max().item() for g in exp_grads)
+    for p, g in zip(model.module.parameters(), exp_grads):
+        torch.testing.assert_close(p.grad.double().cpu(), g, rtol=0, atol=1e-4 * scale)
 
 
 @pytest.mark.gpu
