@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dta_ref.attention import attention, mask_from_subtree_end
-from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, next_token_targets, output_head
+from dta_ref.logprobs import (
+    check_token_ids,
+    hidden_states,
+    logprob_dtype,
+    model_device,
+    next_token_targets,
+    output_head,
+)
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
@@ -323,6 +330,7 @@ def tree_backward(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     output_head(model)  # rejects unsupported models with a clear error
+    check_token_ids(model, tree.tokens)
     if max_chunk_tokens is not None and memory_budget_bytes is not None:
         raise ValueError("give max_chunk_tokens or memory_budget_bytes, not both")
     if memory_budget_bytes is not None:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, next_token_targets, output_head
+from dta_ref.logprobs import (
+    check_token_ids,
+    hidden_states,
+    logprob_dtype,
+    model_device,
+    next_token_targets,
+    output_head,
+)
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
@@ -76,6 +83,7 @@ def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     head = output_head(model)  # also rejects unsupported models
+    check_token_ids(model, tree.tokens)
     tree = tree.to(model_device(model))
     schedule = build_schedule(tree.subtree_end)
 

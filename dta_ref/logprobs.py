@@ -44,6 +44,13 @@ def unsupported_model(model) -> TypeError:
     )
 
 
+def check_token_ids(model, tokens: torch.Tensor) -> None:
+    """Token ids must index the model's embedding table (else CUDA fails with a device-side assert)."""
+    vocab = model.get_input_embeddings().num_embeddings if is_hf_model(model) else model.embed.num_embeddings
+    if tokens.numel() and int(tokens.max()) >= vocab:
+        raise ValueError(f"token id {int(tokens.max())} is out of range for a vocabulary of {vocab} tokens")
+
+
 def hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
     """Final hidden states [B, T, hidden] of ``model`` with attention done by ``attend``."""
     if isinstance(model, Decoder):
@@ -85,6 +92,7 @@ def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
     """Logprobs of every rollout from one packed forward over the tree (explicit mask)."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    check_token_ids(model, tree.tokens)
     tree = tree.to(model_device(model))
     mask = tree_attention_mask(tree)
 
@@ -110,6 +118,8 @@ def flat_logprobs(model, sequences) -> torch.Tensor:
     if len(sequences) == 0:
         raise ValueError("empty batch: at least one sequence is needed")
     seqs = [_as_token_list(s, i) for i, s in enumerate(sequences)]
+    output_head(model)  # rejects unsupported models
+    check_token_ids(model, torch.tensor([max(s) for s in seqs]))
     device = model_device(model)
     width = max(len(s) for s in seqs) - 1
     rows = []

@@ -213,3 +213,12 @@ def test_chunks_cover_the_forest_in_order():
         assert chunks[0][0] == 0 and chunks[-1][1] == tree.num_tokens
         assert all(b1 == a2 for (_, b1), (a2, _) in zip(chunks, chunks[1:]))
         assert all(0 < b - a <= size for a, b in chunks)
+
+
+def test_token_ids_outside_the_vocabulary():
+    model = tiny_decoder(torch.float64)
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 64]])
+    with pytest.raises(ValueError, match="out of range"):
+        dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
+    with pytest.raises(ValueError, match="out of range"):
+        dta_fast.tree_logprobs(model, tree)

@@ -200,11 +200,22 @@ def test_hf_flat_logprobs_are_the_models_own_logits(family):
     assert_close_report(lp, expected, atol=1e-12, rtol=1e-12, name="HF flat logprobs")
 
 
-def test_hf_tree_path_restores_attention_implementation_after_an_error():
+def test_hf_tree_path_restores_attention_implementation_after_an_error(monkeypatch):
     model = tiny_hf_model("llama", torch.float64, "eager", seed=12)
     tree = PrefixTree.from_sequences([[1, 2, 3]])
     bad = tree.to("cpu")
     object.__setattr__(bad, "tokens", torch.tensor([1, 2, V + 5]))  # out of the vocabulary
+    monkeypatch.setattr(dta_ref.logprobs, "check_token_ids", lambda *args: None)  # fail inside the model
     with pytest.raises(IndexError):
         dta_ref.tree_logprobs(model, bad)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", ["decoder", "llama"])
+def test_token_ids_outside_the_vocabulary(family):
+    model = tiny_decoder(torch.float64) if family == "decoder" else tiny_hf_model("llama", torch.float64, "sdpa")
+    sequences = [[1, 2, 3], [1, V]]
+    with pytest.raises(ValueError, match=f"token id {V} is out of range for a vocabulary of {V}"):
+        dta_ref.flat_logprobs(model, sequences)
+    with pytest.raises(ValueError, match="out of range"):
+        dta_ref.tree_logprobs(model, PrefixTree.from_sequences(sequences))
