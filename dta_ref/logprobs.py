@@ -46,7 +46,12 @@ def unsupported_model(model) -> TypeError:
 
 def check_token_ids(model, tokens: torch.Tensor) -> None:
     """Token ids must index the model's embedding table (else CUDA fails with a device-side assert)."""
-    vocab = model.get_input_embeddings().num_embeddings if is_hf_model(model) else model.embed.num_embeddings
+    if isinstance(model, Decoder):
+        vocab = model.embed.num_embeddings
+    elif is_hf_model(model):
+        vocab = model.get_input_embeddings().num_embeddings
+    else:
+        raise unsupported_model(model)
     if tokens.numel() and int(tokens.max()) >= vocab:
         raise ValueError(f"token id {int(tokens.max())} is out of range for a vocabulary of {vocab} tokens")
 
