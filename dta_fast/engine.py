@@ -38,37 +38,13 @@ from dta_ref.logprobs import (
     hidden_states,
     logprob_dtype,
     model_device,
-    next_token_targets,
     output_head,
 )
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
-from .logprobs import LOGITS_CHUNK_ELEMENTS, rows_logprobs
-
-
-@dataclass
-class _Pairs:
-    """The (sequence, step) slots that hold a logprob, sorted by the packed row they read."""
-
-    rows: torch.Tensor  # [P] packed index of seq_i[t]
-    targets: torch.Tensor  # [P] token seq_i[t+1]
-    seq: torch.Tensor  # [P] i
-    step: torch.Tensor  # [P] t
-
-    @classmethod
-    def of(cls, tree: PrefixTree) -> "_Pairs":
-        rows, targets, valid = next_token_targets(tree)
-        seq, step = valid.nonzero(as_tuple=True)
-        r = rows[seq, step]
-        order = torch.argsort(r, stable=True)
-        return cls(r[order], targets[seq, step][order], seq[order], step[order])
-
-    def span(self, start: int, stop: int) -> slice:
-        """The pairs whose row lies in [start, stop)."""
-        bounds = torch.searchsorted(self.rows, torch.tensor([start, stop], device=self.rows.device)).tolist()
-        return slice(bounds[0], bounds[1])
+from .logprobs import LOGITS_CHUNK_ELEMENTS, LogprobPairs, rows_logprobs
 
 
 @dataclass
@@ -88,7 +64,7 @@ class _Engine:
         self.model, self.tree = model, tree
         self.head = output_head(model)
         self.subtree_end = tree.subtree_end
-        self.pairs = _Pairs.of(tree)
+        self.pairs = LogprobPairs.of(tree)
         self.attention_impl = attention_impl
         self.recompute = recompute
 

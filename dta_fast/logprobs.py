@@ -8,6 +8,8 @@ is alive at a time, in the forward and in the backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -24,6 +26,29 @@ from dta_ref.tree import PrefixTree
 from .attention import build_schedule, tree_attention
 
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
+
+
+@dataclass
+class LogprobPairs:
+    """The (sequence, step) slots that hold a logprob, sorted by the packed row they read."""
+
+    rows: torch.Tensor  # [P] packed index of seq_i[t]
+    targets: torch.Tensor  # [P] token seq_i[t+1]
+    seq: torch.Tensor  # [P] i
+    step: torch.Tensor  # [P] t
+
+    @classmethod
+    def of(cls, tree: PrefixTree) -> "LogprobPairs":
+        rows, targets, valid = next_token_targets(tree)
+        seq, step = valid.nonzero(as_tuple=True)
+        r = rows[seq, step]
+        order = torch.argsort(r, stable=True)
+        return cls(r[order], targets[seq, step][order], seq[order], step[order])
+
+    def span(self, start: int, stop: int) -> slice:
+        """The pairs whose row lies in [start, stop)."""
+        bounds = torch.searchsorted(self.rows, torch.tensor([start, stop], device=self.rows.device)).tolist()
+        return slice(bounds[0], bounds[1])
 
 
 def _window_logprobs(hidden, head, local_rows, targets):
@@ -64,18 +89,14 @@ def rows_logprobs(hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch
 
 def gather_logprobs_chunked(hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None):
     """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows."""
-    rows, targets, valid = next_token_targets(tree)
-    N, width = rows.shape
-    flat_pos = valid.flatten().nonzero().squeeze(1)  # (sequence, step) slots that hold a logprob
-    pair_rows, pair_targets = rows.flatten()[flat_pos], targets.flatten()[flat_pos]
-    order = torch.argsort(pair_rows, stable=True)
-    values = rows_logprobs(hidden, head, pair_rows[order], pair_targets[order], chunk_rows)
-    out = torch.zeros(N * width, dtype=logprob_dtype(hidden.dtype), device=hidden.device)
+    pairs = LogprobPairs.of(tree)
+    values = rows_logprobs(hidden, head, pairs.rows, pairs.targets, chunk_rows)
+    out = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=logprob_dtype(hidden.dtype), device=hidden.device)
     if values.numel():
-        out = out.index_put((flat_pos[order],), values)
+        out = out.index_put((pairs.seq, pairs.step), values)
     else:  # no next-token logprob at all: still return a tensor attached to the graph, as dta_ref does
         out = out + 0.0 * hidden.sum()
-    return out.view(N, width)
+    return out
 
 
 def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
