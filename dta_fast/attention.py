@@ -408,16 +408,24 @@ def tree_attention_bwd_dq_kernel(
 # ---------------------------------------------------------- autograd glue
 
 
-# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step.
-BLOCKS = {"fwd": (128, 64), "dkdv": (64, 64), "dq": (64, 64)}
+# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, from benchmarks/tune_attention.py on H100
+BLOCKS = {"fwd": (128, 64), "dkdv": (64, 64), "dq": (64, 64)}  # head dim 65..128
+BLOCKS_SMALL_HEAD = {"fwd": (128, 128), "dkdv": (64, 64), "dq": (64, 128)}  # head dim <= 64
 BLOCKS_LARGE_HEAD = {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}  # head dim > 128
 BLOCKS_INTERPRET = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16)}
 
 
-def _blocks(kernel: str, head_dim: int):
+def block_table(head_dim: int) -> dict:
+    """The (BLOCK_M, BLOCK_N) table the kernels use at this head dim."""
     if INTERPRET:
-        return BLOCKS_INTERPRET[kernel]
-    return (BLOCKS_LARGE_HEAD if head_dim > 128 else BLOCKS)[kernel]
+        return BLOCKS_INTERPRET
+    if head_dim <= 64:
+        return BLOCKS_SMALL_HEAD
+    return BLOCKS if head_dim <= 128 else BLOCKS_LARGE_HEAD
+
+
+def _blocks(kernel: str, head_dim: int):
+    return block_table(head_dim)[kernel]
 
 
 def _block_d(head_dim: int) -> int:

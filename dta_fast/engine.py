@@ -218,10 +218,45 @@ def kv_bytes_per_token(model) -> int:
     return layers * 2 * kv_heads * head_dim * (size + 4)
 
 
-def _fixed_bytes(model, tree: PrefixTree) -> int:
-    """Vocabulary projection workspace plus the K/V (with accumulators) of the deepest path."""
-    depth = int(tree.position_ids.max()) + 1
-    return 3 * LOGITS_CHUNK_ELEMENTS * 4 + kv_bytes_per_token(model) * depth
+LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
+
+
+def _plan(tree: PrefixTree, size: int) -> tuple[list[tuple[int, int]], int]:
+    """Consecutive chunks of at most ``size`` tokens that never hold an older chunk open, and the most
+    tokens that open chunks hold at once (the running chunk included).
+
+    A chunk stays open until the last token below any of its tokens (its
+    ``max_end``), and the engine closes chunks last-in first-out, so a chunk
+    whose ``max_end`` reached past that of the chunk under it would keep that
+    chunk, and transitively everything before, open for longer than its own
+    tokens need (say, a chunk running from the end of one branch into a long
+    sibling branch). So a chunk runs on as long as its ``max_end`` stays within
+    the ``max_end`` of the open chunk under it: the open chunks' ``max_end``
+    never increases up the stack, each holds an ancestor of the current token,
+    and a chunk may still cross from one branch into the next where the chunk
+    under it is open anyway.
+    """
+    T = tree.num_tokens
+    end = tree.subtree_end.cpu().numpy()
+    chunks, stack, held, most_held, a = [], [], 0, 0, 0  # stack: (max_end, tokens) of the open chunks
+    while a < T:
+        while stack and stack[-1][0] <= a:
+            held -= stack.pop()[1]
+        limit = stack[-1][0] if stack else T
+        window = end[a : a + size]
+        # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
+        over = (window > limit).nonzero()[0]
+        b = a + (int(over[0]) if over.size else window.size)
+        chunks.append((a, b))
+        stack.append((int(end[a:b].max()), b - a))
+        held += b - a
+        most_held = max(most_held, held)
+        a = b
+    return chunks, most_held
+
+
+def _chunks(tree: PrefixTree, size: int) -> list[tuple[int, int]]:
+    return _plan(tree, size)[0]
 
 
 def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
@@ -229,46 +264,32 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
 
     Counts what the step allocates beyond the model's parameters, gradients
     and optimizer state: the vocabulary projection workspace, the K/V (with
-    gradient accumulators) of the deepest path, and activations: one chunk's
-    with ``recompute``, else those of every open chunk (up to the deepest path
-    plus one chunk). benchmarks/bench_training.py measures the real peak.
+    float32 gradient accumulators) of every open chunk, and activations: of
+    the running chunk with ``recompute``, else of every open chunk. The open
+    chunks are those of the actual chunking at their worst moment.
+    benchmarks/bench_training.py measures the real peak.
     """
-    per_token = activation_bytes_per_token(model) + kv_bytes_per_token(model)
-    live_tokens = chunk_tokens if recompute else min(tree.num_tokens, chunk_tokens + int(tree.position_ids.max()) + 1)
-    return _fixed_bytes(model, tree) + per_token * live_tokens
+    chunks, held = _plan(tree, chunk_tokens)
+    activations = held if not recompute else max(b - a for a, b in chunks)
+    return LOGITS_WORKSPACE_BYTES + kv_bytes_per_token(model) * held + activation_bytes_per_token(model) * activations
 
 
-def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int) -> int:
-    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget."""
-    fixed = _fixed_bytes(model, tree)
-    per_token = activation_bytes_per_token(model) + kv_bytes_per_token(model)
-    if memory_budget_bytes - fixed < per_token:
+def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True) -> int:
+    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (bisection)."""
+    if estimated_step_bytes(model, tree, 1, recompute) > memory_budget_bytes:
         raise ValueError(
-            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: the deepest path and the "
-            f"logits workspace need {fixed / 2**30:.3f} GiB, plus {per_token / 2**20:.2f} MiB per chunk token"
+            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: chunks of one token "
+            f"need {estimated_step_bytes(model, tree, 1, recompute) / 2**30:.3f} GiB (the open path's K/V, "
+            f"the logits workspace and {activation_bytes_per_token(model) / 2**20:.2f} MiB per chunk token)"
         )
-    return int((memory_budget_bytes - fixed) // per_token)
-
-
-def _chunks(tree: PrefixTree, size: int) -> list[tuple[int, int]]:
-    """Consecutive chunks of at most ``size`` tokens, each inside the subtree of its first token's parent.
-
-    A chunk cannot close before every chunk holding a descendant of its tokens
-    has, so a chunk that ran on from the end of one branch into a long sibling
-    branch would hold the first branch's chunks open for the sibling's whole
-    life, and with them, transitively, everything before. Stopping a chunk
-    where its first token's parent's subtree ends keeps the open chunks on the
-    current path.
-    """
-    T = tree.num_tokens
-    parent, end = tree.parent.tolist(), tree.subtree_end.tolist()
-    chunks, a = [], 0
-    while a < T:
-        limit = end[parent[a]] if parent[a] >= 0 else T
-        b = min(a + size, limit)
-        chunks.append((a, b))
-        a = b
-    return chunks
+    lo, hi = 1, tree.num_tokens  # estimate(lo) fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimated_step_bytes(model, tree, mid, recompute) <= memory_budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def tree_backward(
@@ -289,12 +310,13 @@ def tree_backward(
 
     ``max_chunk_tokens``: chunk size in packed tokens (None: the whole forest
     as one chunk). ``memory_budget_bytes``: choose the chunk size from an
-    activation-memory budget instead (:func:`estimated_step_bytes`).
+    activation-memory budget instead: the largest whose
+    :func:`estimated_step_bytes` fits.
     ``recompute``: redo each chunk's forward at its backward, so memory is
-    the path's K/V plus one chunk's activations; without it the open chunks
-    keep their graphs (no second forward; activations of the whole path).
-    Default: on when chunked, except that with a budget the engine keeps the
-    graphs whenever the estimate says they fit.
+    the open chunks' K/V plus one chunk's activations; without it the open
+    chunks keep their graphs (no second forward; activations of every open
+    chunk). Default: on when chunked; with a budget, off when keeping graphs
+    fits chunks at least half the size that recomputing fits.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
 
@@ -312,7 +334,16 @@ def tree_backward(
     if memory_budget_bytes is not None:
         if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float)):
             raise TypeError(f"memory_budget_bytes must be a number, got {type(memory_budget_bytes).__name__}")
-        max_chunk_tokens = chunk_tokens_for_budget(model, tree, int(memory_budget_bytes))
+        budget = int(memory_budget_bytes)
+        if recompute is None:
+            # keeping the graphs saves a second forward per chunk: worth chunks down to half the size
+            size_recompute = chunk_tokens_for_budget(model, tree, budget, recompute=True)
+            fits_keep = estimated_step_bytes(model, tree, 1, recompute=False) <= budget
+            size_keep = chunk_tokens_for_budget(model, tree, budget, recompute=False) if fits_keep else 0
+            recompute = 2 * size_keep < size_recompute
+            max_chunk_tokens = size_recompute if recompute else size_keep
+        else:
+            max_chunk_tokens = chunk_tokens_for_budget(model, tree, budget, recompute=bool(recompute))
     if max_chunk_tokens is not None:
         if isinstance(max_chunk_tokens, bool) or not isinstance(max_chunk_tokens, int):
             raise TypeError(f"max_chunk_tokens must be an int, got {type(max_chunk_tokens).__name__}")
@@ -329,10 +360,7 @@ def tree_backward(
     size = T if max_chunk_tokens is None else min(max_chunk_tokens, T)
     chunks = _chunks(tree, size)
     if recompute is None:
-        # keep the open chunks' graphs (no second forward) when a budget says they fit
-        recompute = len(chunks) > 1 and (
-            memory_budget_bytes is None or estimated_step_bytes(model, tree, size, recompute=False) > memory_budget_bytes
-        )
+        recompute = len(chunks) > 1
     engine = _Engine(model, tree, attention_impl, recompute)
     pairs = engine.pairs
     dtype = logprob_dtype(next(model.parameters()).dtype)

@@ -469,7 +469,8 @@ class Partition:
     unique_tokens[r]  tokens of rank r's prefix tree
     flat_tokens[r]    sum of rank r's sequence lengths
     compression[r]    flat_tokens / unique_tokens (1.0 for an empty shard)
-    method            the candidate that won: "lpt", "dfs_contiguous" or "token_greedy"
+    method            the candidate used: "lpt", "dfs_contiguous" or "token_greedy" (the
+                      winner, unless partition() was asked for one)
     balance           max(costs) / mean(costs), the mean over all ranks
     lower_bound       max(cost(batch) / world_size, max cost of one sequence alone): no
                       assignment of whole sequences has a smaller maximum, because shard
@@ -664,7 +665,9 @@ def _check_slacks(slack) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def partition(sequences, world_size: int, cost_model: CostModel | None = None, *, slack=None) -> Partition:
+def partition(
+    sequences, world_size: int, cost_model: CostModel | None = None, *, slack=None, method: str = "best"
+) -> Partition:
     """Assign every sequence of ``sequences`` to one of ``world_size`` ranks, minimising the maximum shard cost.
 
     ``sequences`` is what :meth:`dta_ref.PrefixTree.from_sequences` takes (token lists or
@@ -672,7 +675,9 @@ def partition(sequences, world_size: int, cost_model: CostModel | None = None, *
     ``cost_model`` defaults to ``CostModel()``. A piece costing more than ``slack``
     times the per-rank share ``cost(batch) / world_size`` is split at branch points
     (see the module docstring); ``slack`` is a number or a list of them, each tried
-    with LPT, by default ``SLACKS``. Returns a :class:`Partition`.
+    with LPT, by default ``SLACKS``. ``method``: ``"best"`` keeps the candidate with
+    the smallest maximum cost; one of ``METHODS`` forces that candidate (to compare
+    them, e.g. in measured step time). Returns a :class:`Partition`.
     """
     world_size = _check_world_size(world_size)
     if cost_model is None:
@@ -680,6 +685,8 @@ def partition(sequences, world_size: int, cost_model: CostModel | None = None, *
     elif not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
     slacks = _check_slacks(slack)
+    if method != "best" and method not in METHODS:
+        raise ValueError(f"method must be 'best' or one of {METHODS}, got {method!r}")
     arrays = _token_arrays(sequences)
     if world_size > len(arrays):
         raise ValueError(
@@ -707,7 +714,8 @@ def partition(sequences, world_size: int, cost_model: CostModel | None = None, *
         "dfs_contiguous": score(_dfs_contiguous(batch, model, world_size)),
         "token_greedy": score(_token_greedy(batch, world_size)),
     }
-    method = min(METHODS, key=lambda m: (scored[m][0], scored[m][1], METHODS.index(m)))
+    if method == "best":
+        method = min(METHODS, key=lambda m: (scored[m][0], scored[m][1], METHODS.index(m)))
     _, _, positions, stats, costs = scored[method]
     flat = [int(batch.length[s].sum()) for s in positions]
     mean = sum(costs) / world_size

@@ -132,14 +132,16 @@ def test_memory_budget_chooses_chunks():
     seqs = batch()
     tree = PrefixTree.from_sequences(seqs)
     model = tiny_decoder(torch.float64)
-    for size in (1, 3, 40):
-        budget = dta_fast.estimated_step_bytes(model, tree, size)
-        assert dta_fast.chunk_tokens_for_budget(model, tree, budget) == size
-        if size > 1:
-            assert dta_fast.chunk_tokens_for_budget(model, tree, budget - 1) == size - 1
-        else:
-            with pytest.raises(ValueError, match="too small"):
-                dta_fast.chunk_tokens_for_budget(model, tree, budget - 1)
+    for recompute in (True, False):
+        for size in (1, 3, 40):
+            budget = dta_fast.estimated_step_bytes(model, tree, size, recompute)
+            chosen = dta_fast.chunk_tokens_for_budget(model, tree, budget, recompute)
+            assert chosen >= size and dta_fast.estimated_step_bytes(model, tree, chosen, recompute) <= budget
+            if chosen < tree.num_tokens:
+                assert dta_fast.estimated_step_bytes(model, tree, chosen + 1, recompute) > budget
+        one_token = dta_fast.estimated_step_bytes(model, tree, 1, recompute)
+        with pytest.raises(ValueError, match="too small"):
+            dta_fast.chunk_tokens_for_budget(model, tree, one_token - 1, recompute)
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     model.zero_grad(set_to_none=True)
     budget = dta_fast.estimated_step_bytes(model, tree, 3)
@@ -202,6 +204,36 @@ def test_open_chunks_do_not_grow_with_the_forest():
     assert large.num_tokens > 5 * small.num_tokens
     for size in (64, 200):
         assert _max_open_chunks(large, size) <= _max_open_chunks(small, size) + 1
+
+
+def test_open_chunks_hold_the_current_path():
+    """Up the stack, max_end never grows, and every open chunk holds an ancestor of the next chunk's start."""
+    from dta_fast.engine import _chunks
+
+    tree = PrefixTree.from_sequences(agentic_batch(40, 3, 8, 3, 6, 9, 5, vocab_size=64, seed=1))
+    end, parent = tree.subtree_end.tolist(), tree.parent.tolist()
+    for size in (1, 5, 16, 50, 400):
+        stack = []  # (start, stop, max_end)
+        for a, b in _chunks(tree, size):
+            while stack and stack[-1][2] <= a:
+                stack.pop()
+            ancestors, p = set(), parent[a]
+            while p >= 0:
+                ancestors.add(p)
+                p = parent[p]
+            for start, stop, _ in stack:
+                assert ancestors & set(range(start, stop))
+            stack.append((a, b, max(end[a:b])))
+            assert all(lo[2] >= hi[2] for lo, hi in zip(stack, stack[1:]))
+
+
+def test_chunks_cross_into_the_next_branch():
+    """A chunk starting inside a branch runs on into the next one when the chunk under it stays open anyway."""
+    from dta_fast.engine import _chunks
+
+    tree = PrefixTree.from_sequences([[1] * 10 + [2] * 6, [1] * 10 + [3] * 6, [1] * 10 + [4] * 6])
+    # [0, 12) holds the shared prefix (open to the end); the next chunk crosses from branch 2 into branch 3
+    assert _chunks(tree, 12) == [(0, 12), (12, 24), (24, 28)]
 
 
 def test_chunks_cover_the_forest_in_order():

@@ -348,6 +348,19 @@ def test_candidates_are_populated():
     assert "balance=" in repr(part) and "lpt" in repr(part)
 
 
+def test_forced_method_returns_that_candidate():
+    sequences = dta_ref.agentic_batch(40, 3, 5, 3, 6, 8, 4, vocab_size=50, seed=2)
+    sequences += dta_ref.grpo_batch(2, 30, 4, 9, vocab_size=50, seed=3)
+    best = partition(sequences, 3)
+    for method in METHODS:
+        forced = partition(sequences, 3, method=method)
+        assert forced.method == method
+        assert forced.candidates == best.candidates
+        assert max(forced.costs) == pytest.approx(best.candidates[method])
+        assert sorted(i for shard in forced.shards for i in shard) == list(range(len(sequences)))
+    assert best.shards == partition(sequences, 3, method=best.method).shards
+
+
 def test_medium_batch():
     sequences = dta_ref.agentic_batch(num_tasks=8, rollouts_per_task=8, turns=8)  # 512 samples, ~250K unique tokens
     part = partition(sequences, 8)
@@ -495,6 +508,7 @@ BAD = [
     case(
         "for-model-zero-layers", lambda: CostModel.for_model(1e9, 0, 16, 128), ValueError, "num_layers must be positive"
     ),
+    case("method-unknown", lambda: partition([[1]], 1, method="greedy"), ValueError, "method must be 'best'"),
     case("fit-no-samples", lambda: CostModel.fit([]), ValueError, "at least one"),
     case("fit-negative-time", lambda: CostModel.fit([([[1, 2]], -1.0)]), ValueError, "sample 0: seconds must be"),
     case("fit-not-a-pair", lambda: CostModel.fit([[[1, 2]]]), TypeError, "sample 0: expected a"),
