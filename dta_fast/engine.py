@@ -193,37 +193,49 @@ class _Engine:
             open_chunks.append(chunk)
 
 
-def activation_bytes_per_token(model) -> int:
-    """Estimated bytes of saved activations per packed token for one forward + backward (all layers)."""
+def _shape(model):
+    """(layers, hidden, heads, kv_heads, head_dim, intermediate, bytes per element) of a decoder."""
     cfg = model.config
     hidden = cfg.hidden_size
     layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
     heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    inter = cfg.intermediate_size
-    size = next(model.parameters()).element_size()
+    return layers, hidden, heads, kv_heads, head_dim, cfg.intermediate_size, next(model.parameters()).element_size()
+
+
+def activation_bytes_per_token(model) -> int:
+    """Estimated bytes of saved activations per packed token for one forward + backward (all layers)."""
+    layers, hidden, heads, kv_heads, head_dim, inter, size = _shape(model)
     per_layer = 6 * hidden + 3 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
     return layers * per_layer * size + 4 * hidden * size
 
 
 def kv_bytes_per_token(model) -> int:
-    """K/V kept per token on the path, with its float32 gradient accumulators."""
-    cfg = model.config
-    layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
-    heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    size = next(model.parameters()).element_size()
+    """K/V kept per token of an open chunk, with its float32 gradient accumulators."""
+    layers, _, _, kv_heads, head_dim, _, size = _shape(model)
     return layers * 2 * kv_heads * head_dim * (size + 4)
+
+
+def _prefix_bytes_per_token(model) -> int:
+    """What a chunk's graph saves per prefix token: the gathered K/V and its concatenation with the chunk's."""
+    layers, _, _, kv_heads, head_dim, _, size = _shape(model)
+    return layers * 2 * kv_heads * head_dim * size * 2
 
 
 LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
 
 
-def _plan(tree: PrefixTree, size: int) -> tuple[list[tuple[int, int]], int]:
-    """Consecutive chunks of at most ``size`` tokens that never hold an older chunk open, and the most
-    tokens that open chunks hold at once (the running chunk included).
+@dataclass
+class _ChunkPlan:
+    chunks: list  # (start, stop) of each chunk, in order
+    held: int  # most tokens of open chunks at once, the running one included
+    prefix_recompute: int  # largest prefix (tokens of the open chunks under) of any chunk
+    prefix_keep: int  # most prefix tokens saved by the graphs of the open chunks at once
+
+
+def _plan(tree: PrefixTree, size: int) -> _ChunkPlan:
+    """Consecutive chunks of at most ``size`` tokens that never hold an older chunk open.
 
     A chunk stays open until the last token below any of its tokens (its
     ``max_end``), and the engine closes chunks last-in first-out, so a chunk
@@ -238,25 +250,28 @@ def _plan(tree: PrefixTree, size: int) -> tuple[list[tuple[int, int]], int]:
     """
     T = tree.num_tokens
     end = tree.subtree_end.cpu().numpy()
-    chunks, stack, held, most_held, a = [], [], 0, 0, 0  # stack: (max_end, tokens) of the open chunks
+    plan = _ChunkPlan([], 0, 0, 0)
+    stack, held, saved, a = [], 0, 0, 0  # stack: (max_end, tokens, prefix tokens) of the open chunks
     while a < T:
         while stack and stack[-1][0] <= a:
-            held -= stack.pop()[1]
+            _, tokens, prefix = stack.pop()
+            held, saved = held - tokens, saved - prefix
         limit = stack[-1][0] if stack else T
         window = end[a : a + size]
         # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
         over = (window > limit).nonzero()[0]
         b = a + (int(over[0]) if over.size else window.size)
-        chunks.append((a, b))
-        stack.append((int(end[a:b].max()), b - a))
-        held += b - a
-        most_held = max(most_held, held)
+        plan.chunks.append((a, b))
+        stack.append((int(end[a:b].max()), b - a, held))
+        plan.prefix_recompute = max(plan.prefix_recompute, held)
+        held, saved = held + b - a, saved + held
+        plan.held, plan.prefix_keep = max(plan.held, held), max(plan.prefix_keep, saved)
         a = b
-    return chunks, most_held
+    return plan
 
 
 def _chunks(tree: PrefixTree, size: int) -> list[tuple[int, int]]:
-    return _plan(tree, size)[0]
+    return _plan(tree, size).chunks
 
 
 def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
@@ -264,28 +279,52 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
 
     Counts what the step allocates beyond the model's parameters, gradients
     and optimizer state: the vocabulary projection workspace, the K/V (with
-    float32 gradient accumulators) of every open chunk, and activations: of
-    the running chunk with ``recompute``, else of every open chunk. The open
-    chunks are those of the actual chunking at their worst moment.
+    float32 gradient accumulators) of every open chunk, and what autograd
+    saves: with ``recompute``, the running chunk's activations and its copies
+    of the prefix K/V; without, those of every open chunk. The open chunks are
+    those of the actual chunking at their worst moment.
     benchmarks/bench_training.py measures the real peak.
     """
-    chunks, held = _plan(tree, chunk_tokens)
-    activations = held if not recompute else max(b - a for a, b in chunks)
-    return LOGITS_WORKSPACE_BYTES + kv_bytes_per_token(model) * held + activation_bytes_per_token(model) * activations
+    plan = _plan(tree, chunk_tokens)
+    if recompute:
+        activations, prefix = max(b - a for a, b in plan.chunks), plan.prefix_recompute
+    else:
+        activations, prefix = plan.held, plan.prefix_keep
+    return (
+        LOGITS_WORKSPACE_BYTES
+        + kv_bytes_per_token(model) * plan.held
+        + _prefix_bytes_per_token(model) * prefix
+        + activation_bytes_per_token(model) * activations
+    )
 
 
 def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True) -> int:
-    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (bisection)."""
-    if estimated_step_bytes(model, tree, 1, recompute) > memory_budget_bytes:
+    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget.
+
+    The estimate grows with the chunk size, except that keeping graphs of many
+    tiny chunks saves a prefix copy per chunk, so it also grows as chunks
+    shrink. Search powers of two for the largest size that fits, then bisect
+    up to the next.
+    """
+    T = tree.num_tokens
+
+    def fits(size):
+        return estimated_step_bytes(model, tree, size, recompute) <= memory_budget_bytes
+
+    sizes = [min(2**i, T) for i in range(T.bit_length() + 1)]
+    fitting = [size for size in sizes if fits(size)]
+    if not fitting:
+        best = min(estimated_step_bytes(model, tree, size, recompute) for size in sizes)
         raise ValueError(
-            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: chunks of one token "
-            f"need {estimated_step_bytes(model, tree, 1, recompute) / 2**30:.3f} GiB (the open path's K/V, "
-            f"the logits workspace and {activation_bytes_per_token(model) / 2**20:.2f} MiB per chunk token)"
+            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: the smallest estimate over "
+            f"chunk sizes is {best / 2**30:.3f} GiB (the open chunks' K/V, the logits workspace and "
+            f"{activation_bytes_per_token(model) / 2**20:.2f} MiB of activations per chunk token"
+            + ("" if recompute else "; try recompute=True") + ")"
         )
-    lo, hi = 1, tree.num_tokens  # estimate(lo) fits
+    lo, hi = fitting[-1], min(2 * fitting[-1], T + 1) - 1  # fits(lo); sizes above hi do not
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimated_step_bytes(model, tree, mid, recompute) <= memory_budget_bytes:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1
@@ -316,7 +355,7 @@ def tree_backward(
     the open chunks' K/V plus one chunk's activations; without it the open
     chunks keep their graphs (no second forward; activations of every open
     chunk). Default: on when chunked; with a budget, off when keeping graphs
-    fits chunks at least half the size that recomputing fits.
+    fits chunks at least a quarter of the size that recomputing fits.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
 
@@ -336,11 +375,14 @@ def tree_backward(
             raise TypeError(f"memory_budget_bytes must be a number, got {type(memory_budget_bytes).__name__}")
         budget = int(memory_budget_bytes)
         if recompute is None:
-            # keeping the graphs saves a second forward per chunk: worth chunks down to half the size
+            # keeping the graphs saves a second forward per chunk (a third of the step): measured on
+            # agentic forests, that outweighs the overhead of up to four times as many chunks
             size_recompute = chunk_tokens_for_budget(model, tree, budget, recompute=True)
-            fits_keep = estimated_step_bytes(model, tree, 1, recompute=False) <= budget
-            size_keep = chunk_tokens_for_budget(model, tree, budget, recompute=False) if fits_keep else 0
-            recompute = 2 * size_keep < size_recompute
+            try:
+                size_keep = chunk_tokens_for_budget(model, tree, budget, recompute=False)
+            except ValueError:
+                size_keep = 0
+            recompute = 4 * size_keep < size_recompute
             max_chunk_tokens = size_recompute if recompute else size_keep
         else:
             max_chunk_tokens = chunk_tokens_for_budget(model, tree, budget, recompute=bool(recompute))

@@ -139,9 +139,9 @@ def test_memory_budget_chooses_chunks():
             assert chosen >= size and dta_fast.estimated_step_bytes(model, tree, chosen, recompute) <= budget
             if chosen < tree.num_tokens:
                 assert dta_fast.estimated_step_bytes(model, tree, chosen + 1, recompute) > budget
-        one_token = dta_fast.estimated_step_bytes(model, tree, 1, recompute)
+        smallest = min(dta_fast.estimated_step_bytes(model, tree, size, recompute) for size in range(1, tree.num_tokens + 1))
         with pytest.raises(ValueError, match="too small"):
-            dta_fast.chunk_tokens_for_budget(model, tree, one_token - 1, recompute)
+            dta_fast.chunk_tokens_for_budget(model, tree, smallest - 1, recompute)
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     model.zero_grad(set_to_none=True)
     budget = dta_fast.estimated_step_bytes(model, tree, 3)
