@@ -43,12 +43,27 @@ def _unwrap(model):
     return model, contextlib.nullcontext()
 
 
-def _shared_plan(sequences, world, cost_model, rank, group):
-    """Rank 0 partitions and sends the plan (or its error) to all, so ranks agree and none waits forever."""
+def _checked_shards(plan, num_sequences, world) -> list[list[int]]:
+    """A user's plan as shard lists, or a clear error: one list per rank, every sequence exactly once."""
+    shards = getattr(plan, "shards", plan)
+    if not isinstance(shards, (list, tuple)) or len(shards) != world:
+        raise ValueError(f"plan must give one list of sequence indices per rank ({world}), got {shards!r:.80}")
+    shards = [[int(i) for i in shard] for shard in shards]
+    if sorted(i for shard in shards for i in shard) != list(range(num_sequences)):
+        raise ValueError(f"plan must place each of the {num_sequences} sequences on exactly one rank")
+    return shards
+
+
+def _shared_plan(sequences, world, cost_model, plan, rank, group):
+    """Rank 0 partitions (or checks the given plan) and sends it (or its error) to all, so ranks agree
+    and none waits forever."""
     message = [None]
     if rank == 0:
         try:
-            message[0] = ("ok", partition(sequences, world, cost_model).shards)
+            if plan is None:
+                message[0] = ("ok", partition(sequences, world, cost_model).shards)
+            else:
+                message[0] = ("ok", _checked_shards(plan, len(sequences), world))
         except (TypeError, ValueError) as error:
             message[0] = (type(error).__name__, str(error))
     src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -59,12 +74,15 @@ def _shared_plan(sequences, world, cost_model, rank, group):
     return payload
 
 
-def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_model=None, **options):
+def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_model=None, plan=None, **options):
     """Train the whole batch across the ranks of ``group``; every rank's ``.grad`` gets the whole gradient.
 
     ``model``: a plain module (its gradients are all-reduced here) or a
     ``DistributedDataParallel`` wrapper (run under ``no_sync`` and reduced here
-    once, so nothing is reduced twice). ``options`` go to ``tree_backward``
+    once, so nothing is reduced twice). ``plan``: which sequences each rank
+    trains, a :class:`dta_fast.Partition` or one list of indices per rank (as
+    rank 0 sees it); by default ``partition(sequences, world_size, cost_model)``.
+    ``options`` go to ``tree_backward``
     (``max_chunk_tokens``, ``memory_budget_bytes``, ``recompute``, ...).
     Gradients already in ``.grad`` are kept and added to, not reduced again.
 
@@ -77,7 +95,7 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shard = _shared_plan(sequences, world, cost_model, rank, group)[rank]
+    shard = _shared_plan(sequences, world, cost_model, plan, rank, group)[rank]
     module, no_sync = _unwrap(model)
     params = [p for p in module.parameters() if p.requires_grad]
     device = params[0].device

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -80,8 +79,6 @@ def _worker(rank, world, init_file, *args):
 def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=None):
     import dta_fast
 
-    if shards is not None:  # force a plan, e.g. one with empty shards
-        dta_fast.distributed.partition = lambda *args: SimpleNamespace(shards=shards)
     sequences = _batch(batch)
     exp_loss, exp_grads, (old, adv, mask) = expected
     model = _model(kind)
@@ -91,7 +88,9 @@ def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=N
     if wrap_ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
-    loss, logprobs, indices = dta_fast.distributed_tree_backward(model, sequences, loss_fn, max_chunk_tokens=chunk)
+    loss, logprobs, indices = dta_fast.distributed_tree_backward(
+        model, sequences, loss_fn, max_chunk_tokens=chunk, plan=shards  # a forced plan, e.g. with empty shards
+    )
     module = model.module if wrap_ddp else model
     # transformers runs RMSNorm in float32 even in a float64 model (CONTRIBUTING.md, tolerance policy)
     rel = 1e-10 if kind == "decoder" else 1e-5
@@ -149,11 +148,16 @@ def _empty_shard_worker(rank, world, init_file):
 
         with pytest.raises(ValueError, match="more ranks"):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1, 2, 3]], lambda i, lp: lp.sum())
+        # a bad plan fails on every rank (rank 0 checks it and tells the others), no hang
+        with pytest.raises(ValueError, match="exactly one rank"):
+            dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2], [3]], lambda i, lp: lp.sum(), plan=[[0], [0, 2]])
+        with pytest.raises(ValueError, match="one list of sequence indices per rank"):
+            dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(), plan=[[0, 1]])
     finally:
         dist.destroy_process_group()
 
 
-def test_more_ranks_than_sequences(tmp_path):
+def test_more_ranks_than_sequences_and_bad_plans(tmp_path):
     mp.spawn(_empty_shard_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
