@@ -205,10 +205,20 @@ def _shape(model):
 
 
 def activation_bytes_per_token(model) -> int:
-    """Estimated bytes of saved activations per packed token for one forward + backward (all layers)."""
+    """Estimated bytes autograd saves per packed token for one forward + backward (all layers).
+
+    Per layer: two RMSNorms over the hidden size (each a float32 copy of its
+    input and its output), the inputs of the attention and MLP projections,
+    the queries and attention output, the chunk's own K/V, four MLP
+    intermediates, and the query/key norms' float32 copies where the model
+    has them (Qwen3).
+    """
     layers, hidden, heads, kv_heads, head_dim, inter, size = _shape(model)
-    per_layer = 6 * hidden + 3 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
-    return layers * per_layer * size + 4 * hidden * size
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = 2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * inter * size
+    if getattr(model.config, "model_type", "") == "qwen3":
+        per_layer += (q + kv) * (4 + size)
+    return layers * per_layer + 4 * hidden * size
 
 
 def kv_bytes_per_token(model) -> int:
@@ -355,7 +365,7 @@ def tree_backward(
     the open chunks' K/V plus one chunk's activations; without it the open
     chunks keep their graphs (no second forward; activations of every open
     chunk). Default: on when chunked; with a budget, off when keeping graphs
-    fits chunks at least a quarter of the size that recomputing fits.
+    fits chunks of 8192 tokens or half the size that recomputing fits.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
 
@@ -375,14 +385,14 @@ def tree_backward(
             raise TypeError(f"memory_budget_bytes must be a number, got {type(memory_budget_bytes).__name__}")
         budget = int(memory_budget_bytes)
         if recompute is None:
-            # keeping the graphs saves a second forward per chunk (a third of the step): measured on
-            # agentic forests, that outweighs the overhead of up to four times as many chunks
+            # keeping the graphs saves a second forward per chunk (a third of the step); measured, that
+            # outweighs more, smaller chunks while they hold 8K tokens or half the recompute size
             size_recompute = chunk_tokens_for_budget(model, tree, budget, recompute=True)
             try:
                 size_keep = chunk_tokens_for_budget(model, tree, budget, recompute=False)
             except ValueError:
                 size_keep = 0
-            recompute = 4 * size_keep < size_recompute
+            recompute = size_keep < min(size_recompute / 2, 8192)
             max_chunk_tokens = size_recompute if recompute else size_keep
         else:
             max_chunk_tokens = chunk_tokens_for_budget(model, tree, budget, recompute=bool(recompute))
