@@ -40,11 +40,13 @@ def _as_token_list(seq, i: int) -> list[int]:
         raise TypeError(f"sequence {i}: expected a list of ints or a 1-D integer tensor, got {type(seq).__name__}")
     else:
         tokens = list(seq)
-        for t in tokens:
-            # bool is an int subclass but never a token id
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"sequence {i}: tokens must be ints, got {t!r} of type {type(t).__name__}")
-        tokens = [int(t) for t in tokens]
+        kinds = set(map(type, tokens))  # one pass in C; the checks below run per distinct type
+        if kinds - {int}:
+            for t in tokens:
+                # bool is an int subclass but never a token id
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(f"sequence {i}: tokens must be ints, got {t!r} of type {type(t).__name__}")
+            tokens = [int(t) for t in tokens]
     if len(tokens) == 0:
         raise ValueError(f"sequence {i} is empty: every rollout needs at least one token")
     if min(tokens) < 0:
@@ -92,10 +94,9 @@ class PrefixTree:
         prev: list[int] = []
         for i in order:
             s = seqs[i]
-            lcp = 0
             limit = min(len(s), len(prev))
-            while lcp < limit and s[lcp] == prev[lcp]:
-                lcp += 1
+            differ = np.flatnonzero(np.asarray(s[:limit]) != np.asarray(prev[:limit]))
+            lcp = int(differ[0]) if differ.size else limit  # longest common prefix with prev
             del path[lcp:]
             for t in range(lcp, len(s)):
                 parent.append(path[-1] if path else -1)
@@ -115,16 +116,20 @@ class PrefixTree:
             open_nodes.append(k)
 
         lengths = [len(s) for s in seqs]
-        index = torch.full((len(seqs), max(lengths)), -1, dtype=torch.long)
+        index = np.full((len(seqs), max(lengths)), -1, dtype=np.int64)
         for i, row in enumerate(seq_index):
-            index[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            index[i, : len(row)] = row
+
+        def as_tensor(values):  # through numpy: much faster than torch.tensor on long lists
+            return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
         return cls(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            position_ids=torch.tensor(depth, dtype=torch.long),
-            parent=torch.tensor(parent, dtype=torch.long),
-            subtree_end=torch.tensor(subtree_end, dtype=torch.long),
-            seq_index=index,
-            lengths=torch.tensor(lengths, dtype=torch.long),
+            tokens=as_tensor(tokens),
+            position_ids=as_tensor(depth),
+            parent=as_tensor(parent),
+            subtree_end=as_tensor(subtree_end),
+            seq_index=torch.from_numpy(index),
+            lengths=as_tensor(lengths),
         )
 
     @property
