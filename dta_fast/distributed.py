@@ -5,7 +5,8 @@ Every rank passes the same full batch and the same ``loss_fn(i, logprobs_i)``
 plan to the others; each rank runs :func:`dta_fast.tree_backward` on its own shard, and
 the parameter gradients are summed over ranks, so every rank ends with the
 gradient of the whole batch's loss, the same as one process training the
-whole batch.
+whole batch. A model wrapped with FSDP2 (``fully_shard``) is handled in
+:mod:`dta_fast._fsdp2`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
+from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
 from .engine import tree_backward
 from .partition import partition
 
@@ -35,11 +37,16 @@ class _ShardLoss(TokenLoss):
 
 
 def _unwrap(model):
-    """The module to run and a context that keeps a DDP wrapper from reducing on its own."""
+    """The module to run and a context that keeps a DDP wrapper from reducing on its own.
+
+    An FSDP2 model (``is_fsdp2``) runs as it is: ``fsdp2_shard_backward``
+    arranges its one reduction.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return model.module, model.no_sync()
+    check_root_sharded(model)
     return model, contextlib.nullcontext()
 
 
@@ -77,9 +84,12 @@ def _shared_plan(sequences, world, cost_model, plan, rank, group):
 def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_model=None, plan=None, **options):
     """Train the whole batch across the ranks of ``group``; every rank's ``.grad`` gets the whole gradient.
 
-    ``model``: a plain module (its gradients are all-reduced here) or a
+    ``model``: a plain module (its gradients are all-reduced here), a
     ``DistributedDataParallel`` wrapper (run under ``no_sync`` and reduced here
-    once, so nothing is reduced twice). ``plan``: which sequences each rank
+    once, so nothing is reduced twice) or an FSDP2 (``fully_shard``) model,
+    root included (kept whole for the call, then reduce-scattered by FSDP
+    once, as a sum: ``.grad`` is this rank's shard of the whole gradient;
+    docs/distributed.md). ``plan``: which sequences each rank
     trains, a :class:`dta_fast.Partition` or one list of indices per rank (as
     rank 0 sees it); by default ``partition(sequences, world_size, cost_model)``.
     ``options`` go to ``tree_backward``
@@ -97,15 +107,12 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shard = _shared_plan(sequences, world, cost_model, plan, rank, group)[rank]
     module, no_sync = _unwrap(model)
-    params = [p for p in module.parameters() if p.requires_grad]
-    device = params[0].device
 
-    kept = [p.grad for p in params]  # reduce only this call's gradients
-    for p in params:
-        p.grad = None
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    logprobs = torch.zeros(0, 0, device=device)
-    if shard:
+    def run_shard(module):
+        """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
+        device = next(module.parameters()).device
+        if not shard:
+            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, device=device)
         tree = PrefixTree.from_sequences([sequences[i] for i in shard])
         width = tree.max_length - 1
         if isinstance(loss_fn, TokenLoss):
@@ -117,7 +124,18 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
 
         with no_sync:
             logprobs, loss = tree_backward(module, tree, local_fn, **options)
-        local_loss = loss.detach().double()
+        return loss.detach().double(), logprobs
+
+    if is_fsdp2(module):  # FSDP2 reduce-scatters once, at the end, adding to the .grad already there
+        local_loss, logprobs = fsdp2_shard_backward(module, run_shard, group)
+        dist.all_reduce(local_loss, group=group)
+        return local_loss, logprobs, list(shard)
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]  # reduce only this call's gradients
+    for p in params:
+        p.grad = None
+    local_loss, logprobs = run_shard(module)
     for p in params:  # a rank with an empty shard still takes part in every collective
         if p.grad is None:
             p.grad = torch.zeros_like(p)

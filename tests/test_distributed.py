@@ -1,11 +1,14 @@
 """distributed_tree_backward on CPU with the gloo backend, 2 and 3 ranks spawned by the test.
 
-After the call every rank's gradients must equal the single-process
-per-sequence (flat) gradients of the whole batch, in float64.
+After the call every rank's gradients (with FSDP2, its shard of them) must
+equal the single-process per-sequence (flat) gradients of the whole batch,
+in float64, for a plain model, DistributedDataParallel and FSDP2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 
@@ -43,12 +46,12 @@ def _loss_inputs(tree, flat):
     return old, adv, tree.logprob_mask
 
 
-def _expected(kind, sequences, generic):
-    """Single process, each sequence alone: loss and parameter gradients."""
-    model = _model(kind)
+def _expected(kind, sequences, generic, model=None, inputs=None):
+    """Single process, each sequence alone: loss and parameter gradients (of a fresh model by default)."""
+    model = _model(kind) if model is None else model
     tree = PrefixTree.from_sequences(sequences)
     flat = dta_ref.flat_logprobs(model, sequences)
-    old, adv, mask = _loss_inputs(tree, flat)
+    old, adv, mask = _loss_inputs(tree, flat) if inputs is None else inputs
     if generic:
         lengths = (tree.lengths - 1).tolist()
         loss = sum(_generic_loss(adv)(i, flat[i, : lengths[i]]) for i in range(tree.num_sequences))
@@ -65,6 +68,14 @@ def _generic_loss(adv):
     return loss_fn
 
 
+def _destroy_group():
+    dist.destroy_process_group()
+    # Wrappers' reference cycles (DDP's, FSDP's) can keep the gloo group alive past destroy; if
+    # Python's shutdown frees it, its worker thread may drop a finished work holding Python objects
+    # after the interpreter is gone and abort the process (torch 2.13). Free it now.
+    gc.collect()
+
+
 def _worker(rank, world, init_file, *args):
     sys.path.insert(0, ROOT)
     torch.set_num_threads(1)
@@ -73,7 +84,7 @@ def _worker(rank, world, init_file, *args):
         _check_rank(world, *args)  # a function of its own: its DDP wrapper is gone before the group is
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        _destroy_group()
 
 
 def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=None):
@@ -202,3 +213,227 @@ def test_nccl_kernel_path(tmp_path):
         pytest.skip("needs at least 2 GPUs")
     expected = _expected("decoder", _batch(), False)
     mp.spawn(_nccl_worker, args=(min(world, 4), str(tmp_path / "init"), expected), nprocs=min(world, 4), join=True)
+
+
+# ------------------------------------------------------------------ FSDP2
+
+
+def _fsdp_model(kind, world):
+    """The test model sharded with FSDP2 over all ranks as for training: every decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(kind)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers if kind == "decoder" else model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def _fsdp_collectives_counted():
+    """Count FSDP2's all-gathers and reduce-scatters (its default collectives, one per parameter group)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    patched = {"all_gather": collectives.DefaultAllGather, "reduce_scatter": collectives.DefaultReduceScatter}
+    originals = {name: cls.__call__ for name, cls in patched.items()}
+
+    def counting(name):
+        def call(self, *args, **kwargs):
+            counts[name] += 1
+            return originals[name](self, *args, **kwargs)
+
+        return call
+
+    for name, cls in patched.items():
+        cls.__call__ = counting(name)
+    try:
+        yield counts
+    finally:
+        for name, cls in patched.items():
+            cls.__call__ = originals[name]
+
+
+def _fsdp_worker(rank, world, init_file, check, *args):
+    sys.path.insert(0, ROOT)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        check(world, *args)
+        dist.barrier()
+    finally:
+        _destroy_group()
+
+
+def _assert_whole_gradient(model, expected_grads, rel, already=0.0):
+    """Every rank's .grad is its shard of the whole batch's gradient (plus what was there before)."""
+    from torch.distributed.tensor import DTensor
+
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # sharded again, as FSDP leaves them
+    scale = max(g.abs().max().item() for g in expected_grads)
+    for p, g in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad.full_tensor() - already, g, rtol=0, atol=rel * scale)
+
+
+def _check_fsdp_rank(world, kind, generic, options, batch, expected, shards, next_step):
+    from torch.distributed.fsdp import FSDPModule
+
+    import dta_fast
+
+    sequences = _batch(batch)
+    exp_loss, exp_grads, inputs = expected
+    old, adv, mask = inputs
+    model = _fsdp_model(kind, world)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)  # this rank's shard of gradients already there: kept and added to
+    loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
+    with _fsdp_collectives_counted() as counts:
+        loss, logprobs, indices = dta_fast.distributed_tree_backward(model, sequences, loss_fn, plan=shards, **options)
+    # each parameter group: gathered once before the shard trains, reduced once after, whatever the chunks
+    groups = sum(isinstance(m, FSDPModule) for m in model.modules())
+    assert counts == {"all_gather": groups, "reduce_scatter": groups}
+    rel = 1e-10 if kind == "decoder" else 1e-5
+    torch.testing.assert_close(loss, exp_loss, rtol=rel, atol=rel)
+    _assert_whole_gradient(model, exp_grads, rel, already=0.25)
+    if indices:
+        flat = dta_ref.flat_logprobs(_model(kind), [sequences[i] for i in indices])
+        torch.testing.assert_close(logprobs, flat.detach(), rtol=0, atol=rel)
+    if next_step:
+        _check_fsdp_next_steps(model, world, kind, sequences, loss_fn, options, [g + 0.25 for g in exp_grads], inputs)
+
+
+def _check_fsdp_next_steps(model, world, kind, sequences, loss_fn, options, first_grads, inputs):
+    """After the call FSDP trains on: an optimizer step, a second call, then FSDP's own mean-reduced backward."""
+    import dta_fast
+
+    lr = 0.1
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer.step()
+    plain = _model(kind)
+    with torch.no_grad():
+        for p, g in zip(plain.parameters(), first_grads):
+            p -= lr * g
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=1e-12)
+
+    optimizer.zero_grad()
+    _, exp_grads, _ = _expected(kind, sequences, False, model=plain, inputs=inputs)
+    dta_fast.distributed_tree_backward(model, sequences, loss_fn, **options)
+    _assert_whole_gradient(model, exp_grads, 1e-10)
+
+    # the model's own settings are back: sync on, gradients averaged over ranks
+    optimizer.zero_grad()
+    rank_ids = [torch.tensor([[3, 1, 4, 1, 5 + r]]) for r in range(world)]
+    model(rank_ids[dist.get_rank()]).square().mean().backward()
+    per_rank = [torch.autograd.grad(plain(ids).square().mean(), list(plain.parameters())) for ids in rank_ids]
+    _assert_whole_gradient(model, [sum(gs) / world for gs in zip(*per_rank)], 1e-10)
+
+
+def _spawn_fsdp(tmp_path, world, kind="decoder", generic=False, batch="mixed", shards=None, next_step=False, **options):
+    expected = _expected(kind, _batch(batch), generic)
+    args = (_check_fsdp_rank, kind, generic, options, batch, expected, shards, next_step)
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), *args), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_many_chunks(tmp_path, world):
+    """Many chunks, recomputed: every chunk's backward accumulates locally, one reduce-scatter at the end."""
+    _spawn_fsdp(tmp_path, world, max_chunk_tokens=7)
+
+
+def test_fsdp2_one_chunk(tmp_path):
+    _spawn_fsdp(tmp_path, 2)
+
+
+def test_fsdp2_kept_graphs(tmp_path):
+    """recompute=False: several forwards run before their backwards."""
+    _spawn_fsdp(tmp_path, 2, max_chunk_tokens=5, recompute=False)
+
+
+def test_fsdp2_generic_loss(tmp_path):
+    """A loss that is not a TokenLoss: a forward-only pass first, then the chunked backward."""
+    _spawn_fsdp(tmp_path, 2, generic=True, max_chunk_tokens=5)
+
+
+def test_fsdp2_empty_shards_take_part(tmp_path):
+    _spawn_fsdp(tmp_path, 3, batch="duplicates", shards=[[], [0, 1, 2, 3], []], max_chunk_tokens=3)
+
+
+def test_fsdp2_next_steps(tmp_path):
+    """An optimizer step and a second call work, and FSDP's own settings (mean reduction) are back."""
+    _spawn_fsdp(tmp_path, 2, next_step=True, max_chunk_tokens=6)
+
+
+def test_fsdp2_hf_model(tmp_path):
+    pytest.importorskip("transformers")
+    _spawn_fsdp(tmp_path, 2, kind="qwen3", max_chunk_tokens=9)
+
+
+def _check_fsdp_misuse(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dta_fast
+
+    model = _model("decoder")
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    with pytest.raises(ValueError, match="root module too"):
+        dta_fast.distributed_tree_backward(model, _batch(), lambda i, lp: lp.sum())
+    model = _fsdp_model("decoder", world)
+    alone = dist.new_group([0])
+    if dist.get_rank() == 0:  # the batch split over fewer ranks than the model is sharded over
+        with pytest.raises(ValueError, match="sharded over ranks"):
+            dta_fast.distributed_tree_backward(model, _batch(), lambda i, lp: lp.sum(), group=alone)
+
+
+def test_fsdp2_misuse(tmp_path):
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), _check_fsdp_misuse), nprocs=2, join=True)
+
+
+def _nccl_fsdp_worker(rank, world, init_file, expected):
+    sys.path.insert(0, ROOT)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        _check_nccl_fsdp_rank(world, expected)
+        dist.barrier()
+    finally:
+        _destroy_group()
+
+
+def _check_nccl_fsdp_rank(world, expected):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dta_fast
+
+    exp_loss, exp_grads, (old, adv, mask) = expected
+    model = _model("decoder").float().cuda()
+    mesh = init_device_mesh("cuda", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
+    for recompute in (True, False):
+        model.zero_grad()
+        loss, _, _ = dta_fast.distributed_tree_backward(
+            model, _batch(), loss_fn, max_chunk_tokens=8, recompute=recompute
+        )
+        torch.testing.assert_close(loss.cpu(), exp_loss, rtol=1e-4, atol=1e-5)
+        scale = max(g.abs().max().item() for g in exp_grads)
+        for p, g in zip(model.parameters(), exp_grads):
+            torch.testing.assert_close(p.grad.full_tensor().double().cpu(), g, rtol=0, atol=1e-4 * scale)
+
+
+@pytest.mark.gpu
+def test_nccl_fsdp2(tmp_path):
+    """FSDP2 on GPUs with NCCL and the Triton kernel: float32 sums (no PREMUL_SUM), recomputed and kept graphs."""
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip("needs at least 2 GPUs")
+    expected = _expected("decoder", _batch(), False)
+    world = min(world, 4)
+    mp.spawn(_nccl_fsdp_worker, args=(world, str(tmp_path / "init"), expected), nprocs=world, join=True)
