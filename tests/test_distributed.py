@@ -180,18 +180,18 @@ def test_needs_process_group():
         dta_fast.distributed_tree_backward(_model("decoder"), [[1, 2]], lambda i, lp: lp.sum())
 
 
-def _nccl_worker(rank, world, init_file, expected):
+def _nccl_worker(rank, world, init_file, check, expected):
     sys.path.insert(0, ROOT)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        _check_nccl_rank(rank, expected)
+        check(rank, world, expected)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        _destroy_group()
 
 
-def _check_nccl_rank(rank, expected):
+def _check_nccl_rank(rank, world, expected):
     import dta_fast
 
     exp_loss, exp_grads, (old, adv, mask) = expected
@@ -212,7 +212,8 @@ def test_nccl_kernel_path(tmp_path):
     if world < 2:
         pytest.skip("needs at least 2 GPUs")
     expected = _expected("decoder", _batch(), False)
-    mp.spawn(_nccl_worker, args=(min(world, 4), str(tmp_path / "init"), expected), nprocs=min(world, 4), join=True)
+    world = min(world, 4)
+    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), _check_nccl_rank, expected), nprocs=world, join=True)
 
 
 # ------------------------------------------------------------------ FSDP2
@@ -393,18 +394,7 @@ def test_fsdp2_misuse(tmp_path):
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), _check_fsdp_misuse), nprocs=2, join=True)
 
 
-def _nccl_fsdp_worker(rank, world, init_file, expected):
-    sys.path.insert(0, ROOT)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        _check_nccl_fsdp_rank(world, expected)
-        dist.barrier()
-    finally:
-        _destroy_group()
-
-
-def _check_nccl_fsdp_rank(world, expected):
+def _check_nccl_fsdp_rank(rank, world, expected):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -436,4 +426,4 @@ def test_nccl_fsdp2(tmp_path):
         pytest.skip("needs at least 2 GPUs")
     expected = _expected("decoder", _batch(), False)
     world = min(world, 4)
-    mp.spawn(_nccl_fsdp_worker, args=(world, str(tmp_path / "init"), expected), nprocs=world, join=True)
+    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), _check_nccl_fsdp_rank, expected), nprocs=world, join=True)
