@@ -13,9 +13,10 @@ with the loss on its own logprobs and with the dK/dV its descendants left on
 its K/V, and it adds its own prefix dK/dV onto the chunks below it. Closing
 is last-in first-out, so every gradient a chunk needs has arrived when it
 closes. With ``recompute`` a chunk keeps only its K/V while open and redoes
-its forward at close (memory ~ path K/V + one chunk's activations); without
-it the chunk keeps its autograd graph (no second forward, memory ~ the open
-chunks' activations).
+its forward at close (memory ~ path K/V + one chunk's activations), unless
+it holds all its descendants and so closes before any other forward: that
+one keeps its graph. Without ``recompute`` every chunk keeps its autograd
+graph (no second forward, memory ~ the open chunks' activations).
 
 The loss is a sum of per-sequence terms ``loss_fn(i, logprobs_i)``. A
 :class:`dta_ref.losses.TokenLoss` (the clipped policy-gradient and SFT
@@ -123,7 +124,7 @@ class _Engine:
 
     def close(self, chunk: _Chunk, below: list[_Chunk], seed):
         """Backward of a chunk whose descendants are all done."""
-        if self.recompute:
+        if chunk.graph is None:
             logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, below, grad=True)
         else:
             g = chunk.graph
@@ -165,7 +166,9 @@ class _Engine:
                 done = open_chunks.pop()
                 self.close(done, open_chunks, seed)
             chunk = _Chunk(a, b, int(end[a:b].max()))
-            keep_graph = not self.recompute
+            # a chunk holding all its descendants closes before the next forward: keeping its graph
+            # costs no more memory than recomputing it would, and saves the second forward
+            keep_graph = not self.recompute or chunk.max_end <= b
             logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, open_chunks, grad=keep_graph)
             out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.detach().to(out_logprobs.dtype)
             chunk.keys = [k.detach() for k in ks]

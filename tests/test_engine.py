@@ -236,6 +236,28 @@ def test_chunks_cross_into_the_next_branch():
     assert _chunks(tree, 12) == [(0, 12), (12, 24), (24, 28)]
 
 
+def test_recompute_skips_chunks_that_close_at_once(monkeypatch):
+    """Recompute mode redoes the forward only of chunks that stay open across others."""
+    from dta_fast.engine import _Engine
+
+    seqs = [[1] * 4 + [2] * 4, [1] * 4 + [3] * 4]
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    calls = []
+    forward_chunk = _Engine.forward_chunk
+
+    def counted(self, chunk, *args, **kwargs):
+        calls.append(chunk.start)
+        return forward_chunk(self, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(_Engine, "forward_chunk", counted)
+    _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    model.zero_grad(set_to_none=True)
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=4, recompute=True)
+    assert calls == [0, 4, 8, 0]  # the branches [4, 8) and [8, 12) close at once; the prefix is redone
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
 def test_chunks_cover_the_forest_in_order():
     from dta_fast.engine import _chunks
 
