@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dta_ref.attention import attention, mask_from_subtree_end
@@ -247,7 +248,7 @@ class _ChunkPlan:
     prefix_keep: int  # most prefix tokens saved by the graphs of the open chunks at once
 
 
-def _plan(tree: PrefixTree, size: int) -> _ChunkPlan:
+def _plan(tree: PrefixTree, size: int, recompute: bool = False) -> _ChunkPlan:
     """Consecutive chunks of at most ``size`` tokens that never hold an older chunk open.
 
     A chunk stays open until the last token below any of its tokens (its
@@ -260,6 +261,14 @@ def _plan(tree: PrefixTree, size: int) -> _ChunkPlan:
     never increases up the stack, each holds an ancestor of the current token,
     and a chunk may still cross from one branch into the next where the chunk
     under it is open anyway.
+
+    With ``recompute`` the chunks that stay open across others pay a second
+    forward, so chunk ends move to where that costs least: back to the last
+    point where the chunk would close at once (all its descendants inside),
+    if that keeps at least half of it; otherwise, when the chunk starts with
+    tokens whose subtrees run past it (a shared prompt), to just after the
+    deepest branch point among them, so that mostly shared prefixes stay
+    open and are recomputed.
     """
     T = tree.num_tokens
     end = tree.subtree_end.cpu().numpy()
@@ -273,7 +282,10 @@ def _plan(tree: PrefixTree, size: int) -> _ChunkPlan:
         window = end[a : a + size]
         # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
         over = (window > limit).nonzero()[0]
-        b = a + (int(over[0]) if over.size else window.size)
+        n = int(over[0]) if over.size else window.size
+        if recompute and a + n < T:
+            n = _recompute_friendly_length(end, a, n)
+        b = a + n
         plan.chunks.append((a, b))
         stack.append((int(end[a:b].max()), b - a, held))
         plan.prefix_recompute = max(plan.prefix_recompute, held)
@@ -283,8 +295,26 @@ def _plan(tree: PrefixTree, size: int) -> _ChunkPlan:
     return plan
 
 
-def _chunks(tree: PrefixTree, size: int) -> list[tuple[int, int]]:
-    return _plan(tree, size).chunks
+def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
+    """Length, at most ``n``, of a chunk starting at ``a`` in recompute mode (see :func:`_plan`)."""
+    ends = end[a : a + n]
+    closes_at_once = np.flatnonzero(np.maximum.accumulate(ends) <= a + 1 + np.arange(n))
+    close = int(closes_at_once[-1]) + 1 if closes_at_once.size else 0
+    if 2 * close >= n:  # closing at once keeps at least half the chunk (or all of it)
+        return close
+    inside = np.flatnonzero(ends <= a + n)
+    run = int(inside[0]) if inside.size else n  # leading tokens whose subtrees run past the chunk
+    if run == 0:
+        return close or n
+    # end the long-lived part after its deepest branch point: later tokens start one branch, which
+    # the next chunk may then hold whole
+    t = np.arange(a, a + run)
+    branching = np.flatnonzero(end[np.minimum(t + 1, len(end) - 1)] < end[t])
+    return int(branching[-1]) + 1 if branching.size else run
+
+
+def _chunks(tree: PrefixTree, size: int, recompute: bool = False) -> list[tuple[int, int]]:
+    return _plan(tree, size, recompute).chunks
 
 
 def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
@@ -298,7 +328,7 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
     those of the actual chunking at their worst moment.
     benchmarks/bench_training.py measures the real peak.
     """
-    plan = _plan(tree, chunk_tokens)
+    plan = _plan(tree, chunk_tokens, recompute)
     if recompute:
         activations, prefix = max(b - a for a, b in plan.chunks), plan.prefix_recompute
     else:
@@ -416,6 +446,8 @@ def tree_backward(
     chunks = _chunks(tree, size)
     if recompute is None:
         recompute = len(chunks) > 1
+    if recompute:
+        chunks = _chunks(tree, size, recompute=True)
     engine = _Engine(model, tree, attention_impl, recompute)
     pairs = engine.pairs
     dtype = logprob_dtype(next(model.parameters()).dtype)

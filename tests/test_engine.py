@@ -206,7 +206,8 @@ def test_open_chunks_do_not_grow_with_the_forest():
         assert _max_open_chunks(large, size) <= _max_open_chunks(small, size) + 1
 
 
-def test_open_chunks_hold_the_current_path():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_open_chunks_hold_the_current_path(recompute):
     """Up the stack, max_end never grows, and every open chunk holds an ancestor of the next chunk's start."""
     from dta_fast.engine import _chunks
 
@@ -214,7 +215,7 @@ def test_open_chunks_hold_the_current_path():
     end, parent = tree.subtree_end.tolist(), tree.parent.tolist()
     for size in (1, 5, 16, 50, 400):
         stack = []  # (start, stop, max_end)
-        for a, b in _chunks(tree, size):
+        for a, b in _chunks(tree, size, recompute):
             while stack and stack[-1][2] <= a:
                 stack.pop()
             ancestors, p = set(), parent[a]
@@ -258,12 +259,31 @@ def test_recompute_skips_chunks_that_close_at_once(monkeypatch):
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
-def test_chunks_cover_the_forest_in_order():
+def test_recompute_chunks_leave_only_shared_prefixes_long_lived():
+    """With recompute, chunk ends move so that the chunks staying open (recomputed) are the shared prompts."""
+    from dta_fast.engine import _chunks
+
+    prompt, task = [1] * 8, [[2] * 3, [3] * 3]
+    seqs = [prompt + t + [r] * 5 for t in task for r in (4, 5)]  # prompt -> 2 tasks -> 2 rollouts each
+    tree = PrefixTree.from_sequences(seqs)
+    end = tree.subtree_end.tolist()
+
+    def long_lived(chunks):
+        return [(a, b) for a, b in chunks if max(end[a:b]) > b]
+
+    assert long_lived(_chunks(tree, 12)) == [(0, 12), (12, 24)]  # runs of prompt and rollouts
+    # with recompute: the prompt and task prompts alone stay open; the rollout pairs close at once
+    assert _chunks(tree, 12, recompute=True) == [(0, 11), (11, 21), (21, 24), (24, 34)]
+    assert long_lived(_chunks(tree, 12, recompute=True)) == [(0, 11), (21, 24)]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_chunks_cover_the_forest_in_order(recompute):
     from dta_fast.engine import _chunks
 
     tree = PrefixTree.from_sequences(batch())
     for size in (1, 3, 17, 10**6):
-        chunks = _chunks(tree, size)
+        chunks = _chunks(tree, size, recompute)
         assert chunks[0][0] == 0 and chunks[-1][1] == tree.num_tokens
         assert all(b1 == a2 for (_, b1), (a2, _) in zip(chunks, chunks[1:]))
         assert all(0 < b - a <= size for a, b in chunks)
