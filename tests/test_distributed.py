@@ -205,15 +205,20 @@ def _check_nccl_rank(rank, world, expected):
         torch.testing.assert_close(p.grad.double().cpu(), g, rtol=0, atol=1e-4 * scale)
 
 
-@pytest.mark.gpu
-def test_nccl_kernel_path(tmp_path):
-    """Two GPUs, NCCL, the Triton kernel: the same whole-batch gradients as one process."""
+def _spawn_nccl(tmp_path, check):
+    """One process per GPU (2 to 4), each running ``check(rank, world, expected)``."""
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip("needs at least 2 GPUs")
     expected = _expected("decoder", _batch(), False)
     world = min(world, 4)
-    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), _check_nccl_rank, expected), nprocs=world, join=True)
+    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), check, expected), nprocs=world, join=True)
+
+
+@pytest.mark.gpu
+def test_nccl_kernel_path(tmp_path):
+    """Two GPUs, NCCL, the Triton kernel: the same whole-batch gradients as one process."""
+    _spawn_nccl(tmp_path, _check_nccl_rank)
 
 
 # ------------------------------------------------------------------ FSDP2
@@ -421,9 +426,4 @@ def _check_nccl_fsdp_rank(rank, world, expected):
 @pytest.mark.gpu
 def test_nccl_fsdp2(tmp_path):
     """FSDP2 on GPUs with NCCL and the Triton kernel: float32 sums (no PREMUL_SUM), recomputed and kept graphs."""
-    world = torch.cuda.device_count()
-    if world < 2:
-        pytest.skip("needs at least 2 GPUs")
-    expected = _expected("decoder", _batch(), False)
-    world = min(world, 4)
-    mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), _check_nccl_fsdp_rank, expected), nprocs=world, join=True)
+    _spawn_nccl(tmp_path, _check_nccl_fsdp_rank)
