@@ -15,6 +15,10 @@ autograd Function and the public ``tree_attention``.
   contiguous range. The kernel walks it directly, summing over the query
   heads of its GQA group in registers: no atomics, bitwise deterministic.
 - Blocks whose every (query, key) pair is visible skip the mask.
+- dK/dV programs start longest first (``TreeSchedule.key_block_order``),
+  the heads of one key block side by side: the key blocks of a shared prompt
+  walk every query, and launched in place they would start last for the
+  last heads and run on alone at the end of the kernel.
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
@@ -88,12 +92,14 @@ def validate_subtree_end(subtree_end: torch.Tensor) -> None:
 class TreeSchedule:
     """Per-tree data shared by every attention call over the same tree (e.g. all layers).
 
-    ``csr(BLOCK_M, BLOCK_N)`` lists, per query block, its live key blocks.
+    ``csr(BLOCK_M, BLOCK_N)`` lists, per query block, its live key blocks;
+    ``key_block_order`` ranks the key blocks by the queries they walk in dK/dV.
     """
 
     subtree_end: torch.Tensor  # [B, Tk] int32
     num_queries: int
     _csr: dict = field(default_factory=dict, repr=False)
+    _order: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_keys(self) -> int:
@@ -109,14 +115,44 @@ class TreeSchedule:
             self._csr[key] = _build_csr(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
         return self._csr[key]
 
+    def key_block_order(self, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
+        """int32 [B * Nk]: the (batch row, key block) pairs, most query blocks to walk first.
+
+        Launching the long dK/dV programs first keeps the last wave short;
+        the order changes nothing in any program's result.
+        """
+        key = (BLOCK_M, BLOCK_N)
+        if key not in self._order:
+            work = _key_block_work(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+            self._order[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+        return self._order[key]
+
+
+def _block_max_end(subtree_end, BLOCK_N):
+    """[B, Nk]: the largest subtree end in each key block (0 past Tk)."""
+    B, Tk = subtree_end.shape
+    Nk = triton.cdiv(Tk, BLOCK_N)
+    padded = torch.nn.functional.pad(subtree_end, (0, Nk * BLOCK_N - Tk), value=0)
+    return padded.view(B, Nk, BLOCK_N).amax(-1)
+
+
+def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
+    """[B * Nk]: query blocks each key block's dK/dV program walks (the kernel's m_lo..m_hi)."""
+    Tk = subtree_end.shape[1]
+    q_offset = Tk - Tq
+    max_end = _block_max_end(subtree_end, BLOCK_N)
+    k_first = torch.arange(max_end.shape[1], device=subtree_end.device) * BLOCK_N
+    m_lo = (k_first - q_offset).clamp(min=0) // BLOCK_M
+    m_hi = (max_end - q_offset + BLOCK_M - 1).div(BLOCK_M, rounding_mode="floor")
+    return (m_hi - m_lo[None, :]).clamp(min=0).flatten()
+
 
 def _build_csr(subtree_end, Tq, BLOCK_M, BLOCK_N):
     """kv_ptr [B * Mq + 1] int32 and kv_idx [nnz] int32: live key blocks per (batch, query block)."""
     B, Tk = subtree_end.shape
     q_offset = Tk - Tq
     Mq, Nk = triton.cdiv(Tq, BLOCK_M), triton.cdiv(Tk, BLOCK_N)
-    padded = torch.nn.functional.pad(subtree_end, (0, Nk * BLOCK_N - Tk), value=0)
-    max_end = padded.view(B, Nk, BLOCK_N).amax(-1)  # [B, Nk]
+    max_end = _block_max_end(subtree_end, BLOCK_N)  # [B, Nk]
     device = subtree_end.device
     q_first = q_offset + torch.arange(Mq, device=device) * BLOCK_M  # key position of each block's first query
     q_stop = (q_first + BLOCK_M).clamp(max=Tk)
@@ -269,7 +305,7 @@ def tree_attention_bwd_preprocess_kernel(
 @triton.autotune(configs=_configs("bwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def tree_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, END,
+    Q, K, V, DO, LSE, DELTA, DK, DV, END, ORDER,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -277,14 +313,20 @@ def tree_attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    stride_eb,
+    stride_eb, heads_per_row,
     Hq, Hkv, GROUP, Tq, Tk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b, hk = pid_bh // Hkv, pid_bh % Hkv
+    # Programs run longest key block first: ORDER lists (schedule batch, key block) rows, and a
+    # row's heads_per_row (batch, K/V head) pairs run side by side (a shared schedule has one batch row).
+    pid = tl.program_id(0)
+    row = tl.load(ORDER + pid // heads_per_row)
+    rest = pid % heads_per_row
+    num_n_blocks = tl.cdiv(Tk, BLOCK_N)
+    pid_n = row % num_n_blocks
+    b = ((row // num_n_blocks) * (heads_per_row // Hkv) + rest // Hkv).to(tl.int64)
+    hk = (rest % Hkv).to(tl.int64)
     q_offset = Tk - Tq
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
     offs_d = tl.arange(0, BLOCK_D)
@@ -486,12 +528,14 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     Hkv, Tk = k.shape[1], k.shape[2]
     BM, BN = _blocks("dkdv", D)
     end = schedule.subtree_end
+    order = schedule.key_block_order(BM, BN)
+    heads_per_row = B // end.shape[0] * Hkv
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    tree_attention_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, end,
+    tree_attention_bwd_dkdv_kernel[(order.numel() * heads_per_row,)](
+        q, k, v, do, lse, delta, dk, dv, end, order,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        _batch_strides(end, 0)[0], Hq, Hkv, Hq // Hkv, Tq, Tk,
+        _batch_strides(end, 0)[0], heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip

@@ -131,6 +131,24 @@ def test_schedule_reuse_matches_fresh():
     torch.testing.assert_close(tree_attention(q, k, v, schedule=schedule), tree_attention(q, k, v, end), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("Tq", [70, 23])
+def test_key_block_order_is_longest_first(Tq):
+    """dK/dV programs launch every (batch row, key block) once, most query blocks to walk first."""
+    rng = np.random.default_rng(Tq)
+    Tk, BM, BN = 70, 16, 8
+    end = torch.stack([subtree_end_from_depths(random_depths(Tk, rng)) for _ in range(2)])
+    schedule = build_schedule(end, Tq)
+    Mq, Nk = -(-Tq // BM), -(-Tk // BN)
+    visible = torch.nn.functional.pad(dta_fast_mask(end, Tq), (0, Nk * BN - Tk, 0, Mq * BM - Tq))
+    # a key block's program walks exactly the query blocks holding a query that one of its keys sees
+    work = visible.view(2, Mq, BM, Nk, BN).any(4).any(2).sum(1).flatten()
+    walked = dta_fast.attention._key_block_work(schedule.subtree_end, Tq, BM, BN)
+    assert walked.tolist() == work.tolist()
+    order = schedule.key_block_order(BM, BN).long()
+    assert sorted(order.tolist()) == list(range(2 * Nk))
+    assert bool((work[order][1:] <= work[order][:-1]).all())
+
+
 def test_deterministic():
     end = subtree_end_from_depths(random_depths(70, np.random.default_rng(5))).to(DEVICE)
     q, k, v = make_qkv(1, 4, 2, 70, 70, 32, torch.float16)
