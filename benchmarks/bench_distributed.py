@@ -13,11 +13,14 @@ Plans compared at each world size:
   token_greedy  tree-unaware: single sequences longest first onto the rank with the fewest tokens
 
 For each plan: the step time (median of --repeats after a warm-up, all
-ranks, with the gradient all-reduce), each rank's compute time (its shard's
-``tree_backward`` alone, no collectives) and their max/mean (measured
-balance), the predicted max/mean, and each shard's unique tokens. Scaling
-efficiency is T(1 GPU) / (W x T(W GPUs)) with the balanced plan. Prints a
-table and writes JSON under --out.
+ranks, with the gradient all-reduce; the plan is made before the step, as a
+data loader can, and its time is reported apart), each rank's compute time
+(its shard's ``tree_backward`` alone, no collectives) and their max/mean
+(measured balance), the predicted max/mean, each shard's unique tokens, and
+what the step adds around the compute: each rank's time to build its shard's
+tree and the time of the gradient all-reduce alone. Scaling efficiency is
+T(1 GPU) / (W x T(W GPUs)) with the balanced plan. Prints a table and writes
+JSON under --out.
 """
 
 from __future__ import annotations
@@ -118,18 +121,27 @@ def worker(rank, world, init_file, args, result_file):
                     dta_fast.tree_backward(model, tree, local, **options)
 
                 compute_seconds = timed(compute)
+                t0 = time.perf_counter()
+                dta_fast.build_tree([sequences[i] for i in shard])
+                tree_seconds = time.perf_counter() - t0
+                grads = [p.grad for p in model.parameters()]
+                reduce_seconds = timed(lambda: [dist.all_reduce(g) for g in grads])
                 gathered = [None] * world
-                dist.all_gather_object(gathered, compute_seconds)
+                dist.all_gather_object(gathered, (compute_seconds, tree_seconds))
+                tree_gathered = [t for _, t in gathered]
+                gathered = [c for c, _ in gathered]
                 step_seconds = sorted(times)[len(times) // 2]
                 row = dict(batch=BATCHES[key], world_size=world, plan=name, method=plan.method,
                            step_seconds=step_seconds, compute_seconds=gathered,
                            measured_balance=max(gathered) / (sum(gathered) / world),
                            predicted_balance=plan.balance, unique_tokens=plan.unique_tokens,
                            flat_tokens=plan.flat_tokens, plan_seconds=plan_seconds,
+                           tree_seconds=tree_gathered, reduce_seconds=reduce_seconds,
                            peak_gib=torch.cuda.max_memory_allocated() / 2**30)  # fmt: skip
                 rows.append(row)
                 if rank == 0:
                     print(f"W={world} {key} {name}: step {step_seconds:.3f} s, compute {['%.3f' % s for s in gathered]}, "
+                          f"build tree {['%.3f' % s for s in tree_gathered]}, all-reduce {reduce_seconds:.3f}, "
                           f"balance measured {row['measured_balance']:.3f} predicted {plan.balance:.3f}", flush=True)  # fmt: skip
         if rank == 0:
             Path(result_file).write_text(json.dumps(rows))
@@ -145,7 +157,7 @@ def main():
     parser.add_argument("--chunks", type=int, default=8192, help="max_chunk_tokens (0: one chunk)")
     parser.add_argument("--keep", action=argparse.BooleanOptionalAction, default=True, help="recompute=False")
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     available = torch.cuda.device_count()

@@ -11,8 +11,10 @@ from .engine import chunk_tokens_for_budget, estimated_step_bytes, tree_backward
 from .logprobs import gather_logprobs_chunked, tree_logprobs
 from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
 from .partition import CostModel, Partition, partition
+from .tree import build_tree
 
 __all__ = [
+    "build_tree",
     "tree_attention",
     "build_schedule",
     "TreeSchedule",

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from dta_ref.losses import TokenLoss
-from dta_ref.tree import PrefixTree
 
 from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
 from .engine import tree_backward
 from .partition import partition
+from .tree import build_tree
 
 
 class _ShardLoss(TokenLoss):
@@ -113,7 +113,7 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         device = next(module.parameters()).device
         if not shard:
             return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, device=device)
-        tree = PrefixTree.from_sequences([sequences[i] for i in shard])
+        tree = build_tree([sequences[i] for i in shard])
         width = tree.max_length - 1
         if isinstance(loss_fn, TokenLoss):
             local_fn = _ShardLoss(loss_fn, shard, width)

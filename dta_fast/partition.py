@@ -74,13 +74,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dta_ref.tree import PrefixTree
+
+from .tree import _sort_with_lcp, _token_arrays
 
 __all__ = ["CostModel", "Partition", "TreeStats", "partition", "tree_stats"]
 
@@ -280,97 +281,6 @@ def _nnls_numpy(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ the sorted batch
-
-
-def _fast_array(seq) -> np.ndarray | None:
-    """``seq`` as an int64 array when it is plainly valid; None sends it to PrefixTree's checks."""
-    if isinstance(seq, torch.Tensor):
-        if seq.dtype == torch.bool or seq.dtype.is_floating_point or seq.dtype.is_complex:
-            return None
-        if seq.dim() != 1 or seq.numel() == 0:
-            return None
-        arr = seq.detach().cpu().numpy()
-        if arr.dtype == np.uint64:
-            return None
-        arr = arr.astype(np.int64, copy=False)
-    elif isinstance(seq, np.ndarray):
-        if not np.issubdtype(seq.dtype, np.integer) or seq.ndim != 1 or seq.size == 0 or seq.dtype == np.uint64:
-            return None
-        arr = seq.astype(np.int64, copy=False)
-    elif isinstance(seq, Sequence) and not isinstance(seq, (str, bytes)):
-        if len(seq) == 0:
-            return None
-        # bool is an int subclass but not a token id: exact types only, checked at C speed
-        if not all(t is int or issubclass(t, np.integer) for t in set(map(type, seq))):
-            return None
-        try:
-            arr = np.fromiter(seq, dtype=np.int64, count=len(seq))
-        except (OverflowError, TypeError, ValueError):
-            return None
-    else:
-        return None
-    if arr.min() < 0:
-        return None
-    return arr
-
-
-def _token_arrays(sequences) -> list[np.ndarray]:
-    """Validate ``sequences`` as PrefixTree.from_sequences does and return one int64 array each."""
-    if isinstance(sequences, (torch.Tensor, np.ndarray)) and sequences.ndim == 2:
-        sequences = list(sequences)
-    arrays = []
-    if isinstance(sequences, Sequence) and not isinstance(sequences, (str, bytes)) and len(sequences) > 0:
-        for seq in sequences:
-            arr = _fast_array(seq)
-            if arr is None:
-                break
-            arrays.append(arr)
-        else:
-            return arrays
-    # Something is unusual: the reference builder either names the problem or accepts the batch.
-    tree = PrefixTree.from_sequences(sequences)
-    return [tree.sequence(i).numpy() for i in range(tree.num_sequences)]
-
-
-def _sort_with_lcp(arrays: list[np.ndarray], lengths: list[int]) -> tuple[list[int], list[int]]:
-    """Lexicographic order of ``arrays`` and each one's common prefix length with its predecessor.
-
-    Most-significant-first partitioning: a group of sequences known to share
-    p tokens finds q, the length all of them share, emits the ones that end
-    there, and splits the rest by their token at q. Comparisons are numpy,
-    and a group compares only up to the shortest common prefix seen so far.
-    """
-    order: list[int] = []
-    lcp: list[int] = []
-    stack = [(list(range(len(arrays))), 0, 0)]  # members, shared length, lcp of its first with the one before
-    while stack:
-        members, p, first = stack.pop()
-        if len(members) == 1:
-            order.append(members[0])
-            lcp.append(first)
-            continue
-        ref = arrays[members[0]]
-        q = lengths[members[0]]
-        for m in members[1:]:
-            end = min(q, lengths[m])
-            if end > p:
-                diff = np.flatnonzero(arrays[m][p:end] != ref[p:end])
-                if diff.size:
-                    end = p + int(diff[0])
-            q = end
-        groups: dict[int, list[int]] = {}
-        ended = 0
-        for m in members:
-            if lengths[m] == q:
-                order.append(m)
-                lcp.append(first if ended == 0 else q)
-                ended += 1
-            else:
-                groups.setdefault(int(arrays[m][q]), []).append(m)
-        keys = sorted(groups)
-        for k in reversed(range(len(keys))):
-            stack.append((groups[keys[k]], q + 1, first if k == 0 and ended == 0 else q))
-    return order, lcp
 
 
 class _Batch:

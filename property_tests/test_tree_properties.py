@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dta_fast
 import dta_ref
 from dta_ref import PrefixTree
 from property_tests.strategies import rollout_sets
@@ -206,3 +207,20 @@ def test_tensor_and_numpy_inputs_give_the_same_tree(sequences):
         tree = PrefixTree.from_sequences(seqs)
         for name in ref.__dataclass_fields__:
             assert torch.equal(getattr(tree, name), getattr(ref, name)), f"{label}: {name}"
+
+
+@cheap
+@given(rollout_sets(), st.sampled_from(["list", "tensor", "numpy", "int32 tensor"]))
+def test_fast_builder_packs_exactly_as_the_reference(sequences, kind):
+    """dta_fast.build_tree gives the reference's tensors, bit for bit, from any input kind."""
+    convert = {
+        "list": list,
+        "tensor": torch.tensor,
+        "numpy": np.array,
+        "int32 tensor": lambda s: torch.tensor(s, dtype=torch.int32),
+    }[kind]
+    expected = PrefixTree.from_sequences(sequences)
+    built = dta_fast.build_tree([convert(s) for s in sequences])
+    for name in expected.__dataclass_fields__:
+        a, b = getattr(expected, name), getattr(built, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name

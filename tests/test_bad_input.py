@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import dta_fast
 import dta_ref
 from dta_ref import PrefixTree
 from tests.helpers import TINY_VOCAB, tiny_decoder, tiny_hf_model
@@ -15,102 +16,112 @@ def case(name, fn, exc, match):
     return pytest.param(fn, exc, match, id=name)
 
 
+def tree_case(name, batch, exc, match):
+    return pytest.param(batch, exc, match, id=name)
+
+
 TREE_CASES = [
-    case("empty-batch", lambda: PrefixTree.from_sequences([]), ValueError, "empty batch"),
-    case("empty-sequence", lambda: PrefixTree.from_sequences([[1, 2], []]), ValueError, "sequence 1 is empty"),
-    case(
+    tree_case("empty-batch", [], ValueError, "empty batch"),
+    tree_case("empty-sequence", [[1, 2], []], ValueError, "sequence 1 is empty"),
+    tree_case(
         "empty-tensor-sequence",
-        lambda: PrefixTree.from_sequences([torch.tensor([], dtype=torch.long)]),
+        [torch.tensor([], dtype=torch.long)],
         ValueError,
         "sequence 0 is empty",
     ),
-    case("negative-token", lambda: PrefixTree.from_sequences([[1, 2], [3, -1]]), ValueError, "non-negative, got -1"),
-    case(
+    tree_case("negative-token", [[1, 2], [3, -1]], ValueError, "non-negative, got -1"),
+    tree_case(
         "negative-token-tensor",
-        lambda: PrefixTree.from_sequences([torch.tensor([4, -7])]),
+        [torch.tensor([4, -7])],
         ValueError,
         "non-negative, got -7",
     ),
-    case("float-tokens", lambda: PrefixTree.from_sequences([[1.0, 2.0]]), TypeError, "tokens must be ints, got 1.0"),
-    case("bool-tokens", lambda: PrefixTree.from_sequences([[True, False]]), TypeError, "tokens must be ints, got True"),
-    case("string-token", lambda: PrefixTree.from_sequences([[1, "2"]]), TypeError, "tokens must be ints, got '2'"),
-    case("string-sequence", lambda: PrefixTree.from_sequences(["abc"]), TypeError, "sequence 0: expected a list"),
-    case("string-batch", lambda: PrefixTree.from_sequences("abc"), TypeError, "must be a list of token sequences"),
-    case("none-batch", lambda: PrefixTree.from_sequences(None), TypeError, "must be a list of token sequences"),
-    case("int-sequence", lambda: PrefixTree.from_sequences([5]), TypeError, "sequence 0: expected a list"),
-    case(
+    tree_case("float-tokens", [[1.0, 2.0]], TypeError, "tokens must be ints, got 1.0"),
+    tree_case("bool-tokens", [[True, False]], TypeError, "tokens must be ints, got True"),
+    tree_case("string-token", [[1, "2"]], TypeError, "tokens must be ints, got '2'"),
+    tree_case("string-sequence", ["abc"], TypeError, "sequence 0: expected a list"),
+    tree_case("string-batch", "abc", TypeError, "must be a list of token sequences"),
+    tree_case("none-batch", None, TypeError, "must be a list of token sequences"),
+    tree_case("int-sequence", [5], TypeError, "sequence 0: expected a list"),
+    tree_case(
         "1d-tensor-batch",
-        lambda: PrefixTree.from_sequences(torch.tensor([1, 2, 3])),
+        torch.tensor([1, 2, 3]),
         TypeError,
         "must be a list of token sequences",
     ),
-    case(
+    tree_case(
         "3d-tensor-batch",
-        lambda: PrefixTree.from_sequences(torch.ones(2, 2, 2, dtype=torch.long)),
+        torch.ones(2, 2, 2, dtype=torch.long),
         TypeError,
         "must be a list of token sequences",
     ),
-    case(
+    tree_case(
         "float-tensor",
-        lambda: PrefixTree.from_sequences([torch.tensor([1.0, 2.0])]),
+        [torch.tensor([1.0, 2.0])],
         TypeError,
         "dtype torch.float32",
     ),
-    case(
+    tree_case(
         "2d-float-tensor-batch",
-        lambda: PrefixTree.from_sequences(torch.ones(2, 3)),
+        torch.ones(2, 3),
         TypeError,
         "tokens must be integers",
     ),
-    case(
+    tree_case(
         "bool-tensor",
-        lambda: PrefixTree.from_sequences([torch.tensor([True, False])]),
+        [torch.tensor([True, False])],
         TypeError,
         "dtype torch.bool",
     ),
-    case(
+    tree_case(
         "float-numpy",
-        lambda: PrefixTree.from_sequences([np.array([1.0, 2.0])]),
+        [np.array([1.0, 2.0])],
         TypeError,
         "array of dtype float64",
     ),
-    case(
+    tree_case(
         "bool-numpy",
-        lambda: PrefixTree.from_sequences([np.array([True, False])]),
+        [np.array([True, False])],
         TypeError,
         "array of dtype bool",
     ),
-    case(
+    tree_case(
         "ragged-nested-list",
-        lambda: PrefixTree.from_sequences([[1, [2, 3]]]),
+        [[1, [2, 3]]],
         TypeError,
         r"tokens must be ints, got \[2, 3\]",
     ),
-    case(
+    tree_case(
         "2d-tensor-sequence",
-        lambda: PrefixTree.from_sequences([torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.long)]),
+        [torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.long)],
         ValueError,
         r"sequence 1: expected a 1-D tensor of tokens, got shape \(2, 2\)",
     ),
-    case(
+    tree_case(
         "0d-tensor-sequence",
-        lambda: PrefixTree.from_sequences([torch.tensor(3)]),
+        [torch.tensor(3)],
         ValueError,
         "expected a 1-D tensor",
     ),
-    case(
+    tree_case(
         "2d-numpy-sequence",
-        lambda: PrefixTree.from_sequences([np.ones((2, 2), dtype=np.int64)]),
+        [np.ones((2, 2), dtype=np.int64)],
         ValueError,
         "expected a 1-D array",
     ),
 ]
 
 
-@pytest.mark.parametrize("fn,exc,match", TREE_CASES)
-def test_tree_rejects(fn, exc, match):
+@pytest.mark.parametrize("batch,exc,match", TREE_CASES)
+def test_tree_rejects(batch, exc, match):
     with pytest.raises(exc, match=match):
-        fn()
+        PrefixTree.from_sequences(batch)
+
+
+@pytest.mark.parametrize("batch,exc,match", TREE_CASES)
+def test_fast_tree_builder_rejects_the_same(batch, exc, match):
+    with pytest.raises(exc, match=match):
+        dta_fast.build_tree(batch)
 
 
 def qkv(B=1, Hq=4, Hkv=2, T=5, D=8, dtype=torch.float64):

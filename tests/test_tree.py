@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
+import dta_fast
 import dta_ref
-from dta_ref import PrefixTree
+from dta_ref import PrefixTree, agentic_batch, grpo_batch
 
 
 def assert_tree(tree: PrefixTree, **expected):
@@ -209,3 +212,12 @@ def test_agentic_batch_compression_matches_formula():
     assert tree.flat_tokens == tasks * rollouts * per_rollout
     assert tree.compression_ratio == pytest.approx(tasks * rollouts * per_rollout / unique)
     assert tree.compression_ratio > 5
+
+
+def test_fast_builder_on_training_shaped_batches():
+    """dta_fast.build_tree equals the reference on the GRPO and agentic shapes, shuffled."""
+    for batch in (grpo_batch(3, 300, 5, 40, seed=1), agentic_batch(500, 3, 20, 3, 4, 15, 30, seed=2)):
+        random.Random(0).shuffle(batch)
+        expected, built = PrefixTree.from_sequences(batch), dta_fast.build_tree(batch)
+        for name in expected.__dataclass_fields__:
+            assert torch.equal(getattr(expected, name), getattr(built, name)), name
