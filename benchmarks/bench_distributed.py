@@ -124,7 +124,7 @@ def worker(rank, world, init_file, args, result_file):
                 t0 = time.perf_counter()
                 dta_fast.build_tree([sequences[i] for i in shard])
                 tree_seconds = time.perf_counter() - t0
-                grads = [p.grad for p in model.parameters()]
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
                 reduce_seconds = timed(lambda: [dist.all_reduce(g) for g in grads])
                 gathered = [None] * world
                 dist.all_gather_object(gathered, (compute_seconds, tree_seconds))
