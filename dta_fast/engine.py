@@ -458,6 +458,7 @@ def tree_backward(
     if isinstance(loss_fn, TokenLoss):
         if loss_fn.shape != (N, width):
             raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {(N, width)}")
+        loss_fn = loss_fn.to(device)  # once, not at every chunk
 
         def seed(span, chunk_logprobs):
             nonlocal total

@@ -8,6 +8,8 @@ rank (distributed) without changing its value or its gradient.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
@@ -128,6 +130,18 @@ class TokenLoss:
 
     def _term(self, seq, step, logprobs):
         raise NotImplementedError
+
+    def to(self, device) -> "TokenLoss":
+        """A copy whose tensors (and those of TokenLosses it holds) live on ``device``.
+
+        :meth:`terms` moves what it reads to the logprobs' device; an engine
+        calling it once per chunk moves the loss once instead.
+        """
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (torch.Tensor, TokenLoss)):
+                setattr(moved, name, value.to(device))
+        return moved
 
     def terms(self, seq: torch.Tensor, step: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Weighted terms of the (seq[p], step[p]) tokens whose logprobs are ``logprobs[p]``."""

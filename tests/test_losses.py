@@ -210,3 +210,24 @@ def test_loss_decomposes_per_sequence(normalization, loss_name):
     assert torch.allclose(g_parts, g_whole, rtol=1e-12, atol=1e-15)
     assert bool((g_whole[~mask] == 0).all()), "masked tokens must get no gradient"
     assert bool((g_whole[mask] != 0).any())
+
+
+def test_token_loss_moves_every_tensor_once():
+    """TokenLoss.to copies the loss with every tensor, nested losses included, on the device; terms agree."""
+    from dta_fast.distributed import _ShardLoss
+    from dta_ref import PolicyGradientLoss
+
+    old = torch.log(torch.tensor([[0.5, 0.9, 1.0], [0.8, 0.7, 0.6]], dtype=torch.float64))
+    pg = PolicyGradientLoss(old, ADV, MASK, dual_clip=3.0)
+    shard = _ShardLoss(pg, [1], 3)
+    for loss in (pg, shard):
+        meta = loss.to("meta")
+        assert type(meta) is type(loss) and meta is not loss
+        tensors = [v for v in vars(meta).values() if isinstance(v, torch.Tensor)]
+        tensors += [v for inner in vars(meta).values() if hasattr(inner, "weights") for v in vars(inner).values()
+                    if isinstance(v, torch.Tensor)]  # fmt: skip
+        assert tensors and all(t.device.type == "meta" for t in tensors)
+        assert all(v.device.type == "cpu" for v in vars(loss).values() if isinstance(v, torch.Tensor))
+        seq, step = torch.tensor([0, 0]), torch.tensor([0, 2])
+        lp_ = LOGPROBS[1, [0, 2]]
+        assert torch.equal(loss.to("cpu").terms(seq, step, lp_), loss.terms(seq, step, lp_))
