@@ -1,6 +1,6 @@
 """Step time of distributed_tree_backward on 1, 2 and 4 GPUs (NCCL), and what the balancer buys.
 
-    python benchmarks/bench_distributed.py [--gpus 1 2 4] [--batches agentic grpo] [--chunks 8192]
+    python benchmarks/bench_distributed.py [--gpus 1 2 4] [--batches agentic grpo] [--tasks 16] [--chunks 8192]
 
 One process per GPU, spawned here for each world size, trains the same model
 (a Qwen2-0.5B shape with random weights, bfloat16) on the same batch
@@ -41,17 +41,17 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BATCHES = {
-    "agentic": "agentic 4.8K system, 16 tasks x 4 rollouts x 8 turns",
+    "agentic": "agentic 4.8K system, {tasks} tasks x 4 rollouts x 8 turns",
     "grpo": "GRPO 16 groups, P in 512..8K, N=16, R=1K",
 }
 PLANS = ("balanced", "tree_tokens", "token_greedy")
 
 
-def make_batch(key):
+def make_batch(key, tasks=16):
     from dta_ref import agentic_batch, grpo_batch
 
     if key == "agentic":
-        sequences = agentic_batch(num_tasks=16, rollouts_per_task=4, turns=8, vocab_size=151936)
+        sequences = agentic_batch(num_tasks=tasks, rollouts_per_task=4, turns=8, vocab_size=151936)
     else:
         sequences = sum((grpo_batch(1, 512 * (1 + g), 16, 1024, vocab_size=151936, seed=g) for g in range(16)), [])
     random.Random(0).shuffle(sequences)
@@ -100,7 +100,7 @@ def worker(rank, world, init_file, args, result_file):
         options = dict(max_chunk_tokens=args.chunks or None, recompute=False if args.keep else None)
         rows = []
         for key in args.batches:
-            sequences = make_batch(key)
+            sequences = make_batch(key, args.tasks)
             loss_fn = SFTLoss(PrefixTree.from_sequences(sequences).logprob_mask)
             for name in args.plans if world > 1 else ("balanced",):
                 t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def worker(rank, world, init_file, args, result_file):
                 tree_gathered = [t for _, t in gathered]
                 gathered = [c for c, _ in gathered]
                 step_seconds = sorted(times)[len(times) // 2]
-                row = dict(batch=BATCHES[key], world_size=world, plan=name, method=plan.method,
+                row = dict(batch=BATCHES[key].format(tasks=args.tasks), world_size=world, plan=name, method=plan.method,
                            step_seconds=step_seconds, compute_seconds=gathered,
                            measured_balance=max(gathered) / (sum(gathered) / world),
                            predicted_balance=plan.balance, unique_tokens=plan.unique_tokens,
@@ -154,6 +154,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=list(BATCHES))
+    parser.add_argument("--tasks", type=int, default=16, help="tasks in the agentic batch")
     parser.add_argument("--chunks", type=int, default=8192, help="max_chunk_tokens (0: one chunk)")
     parser.add_argument("--keep", action=argparse.BooleanOptionalAction, default=True, help="recompute=False")
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
