@@ -88,8 +88,9 @@ def main():
     loss_fn = SFTLoss(tree.logprob_mask)
     flat_flops, tree_flops = flat_and_tree_flops(model, tree, sequences)
     few = sequences[:: max(1, len(sequences) // args.flat_sequences)]  # strided: all turn depths
-    few_flops, _ = flat_and_tree_flops(model, PrefixTree.from_sequences(few), few)
-    few_loss = SFTLoss(PrefixTree.from_sequences(few).logprob_mask)
+    few_tree = PrefixTree.from_sequences(few)
+    few_flops, _ = flat_and_tree_flops(model, few_tree, few)
+    few_loss = SFTLoss(few_tree.logprob_mask)
     options = dict(max_chunk_tokens=args.chunks or None, recompute=False if args.keep else None)
 
     def tree_step():

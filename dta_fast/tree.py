@@ -31,8 +31,9 @@ def build_tree(sequences) -> PrefixTree:
     """``PrefixTree.from_sequences(sequences)``, computed with array operations: the same tensors.
 
     Accepts what the reference accepts (token lists, 1-D integer tensors or
-    arrays, or one 2-D one) and raises the same errors; unusual input (e.g.
-    numpy integer scalars in a list) goes to the reference builder.
+    arrays, or one 2-D one) and raises the same errors: anything that is not
+    plainly valid (an empty rollout, a float, a uint64 array, ...) goes to
+    the reference builder, which builds it or names the problem.
     """
     arrays = _plain_token_arrays(sequences)
     if arrays is None:
