@@ -18,10 +18,7 @@ data loader can, and its time is reported apart), each rank's compute time
 (its shard's ``tree_backward`` alone, no collectives) and their max/mean
 (measured balance), the predicted max/mean, each shard's unique tokens, and
 what the step adds around the compute: each rank's time to build its shard's
-tree and the time of the gradient all-reduce alone. The step trains the
-prefix all sequences share once (``shared_prefix=True``, the default;
-``--no-shared-prefix`` trains it on every rank), while a rank's compute
-time is its shard alone, prefix backward included. Scaling efficiency is
+tree and the time of the gradient all-reduce alone. Scaling efficiency is
 T(1 GPU) / (W x T(W GPUs)) with the balanced plan. Prints a table and writes
 JSON under --out.
 """
@@ -80,14 +77,6 @@ def plan_for(name, sequences, world, costs):
     return partition(sequences, world, costs, method="token_greedy")
 
 
-def shared_tokens(plan, world, enabled):
-    """Tokens distributed_tree_backward trains once for all ranks with this plan."""
-    from dta_fast.distributed import MIN_SHARED_TOKENS_PER_RANK
-
-    common = plan.common_prefix if enabled and world > 1 else 0
-    return common if common >= MIN_SHARED_TOKENS_PER_RANK * world else 0
-
-
 def timed(fn):
     torch.cuda.synchronize()
     dist.barrier()
@@ -109,7 +98,6 @@ def worker(rank, world, init_file, args, result_file):
         model = build_model("qwen2-0.5b")
         costs = cost_model(model)
         options = dict(max_chunk_tokens=args.chunks or None, recompute=False if args.keep else None)
-        shared = dict(shared_prefix=args.shared_prefix)
         rows = []
         for key in args.batches:
             sequences = make_batch(key, args.tasks)
@@ -121,7 +109,7 @@ def worker(rank, world, init_file, args, result_file):
 
                 def step():
                     model.zero_grad(set_to_none=True)
-                    dta_fast.distributed_tree_backward(model, sequences, loss_fn, plan=plan, **shared, **options)
+                    dta_fast.distributed_tree_backward(model, sequences, loss_fn, plan=plan.shards, **options)
 
                 times = [timed(step) for _ in range(args.repeats + 1)][1:]
                 shard = plan.shards[rank]
@@ -144,7 +132,6 @@ def worker(rank, world, init_file, args, result_file):
                 gathered = [c for c, _ in gathered]
                 step_seconds = sorted(times)[len(times) // 2]
                 row = dict(batch=BATCHES[key].format(tasks=args.tasks), world_size=world, plan=name, method=plan.method,
-                           shared_prefix_tokens=shared_tokens(plan, world, args.shared_prefix),
                            step_seconds=step_seconds, compute_seconds=gathered,
                            measured_balance=max(gathered) / (sum(gathered) / world),
                            predicted_balance=plan.balance, unique_tokens=plan.unique_tokens,
@@ -172,8 +159,6 @@ def main():
     parser.add_argument("--keep", action=argparse.BooleanOptionalAction, default=True, help="recompute=False")
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                        help="train the batch's common prefix once (distributed_tree_backward's shared_prefix)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     available = torch.cuda.device_count()

@@ -7,31 +7,21 @@ the parameter gradients are summed over ranks, so every rank ends with the
 gradient of the whole batch's loss, the same as one process training the
 whole batch. A model wrapped with FSDP2 (``fully_shard``) is handled in
 :mod:`dta_fast._fsdp2`.
-
-Every shard's tree starts with the prefix that all sequences of the batch
-share (a system prompt). Each rank needs its forward, for the K/V its own
-tokens attend, but its backward need not run on every rank: the gradients
-the ranks' shards send into it are summed and backpropagated once, by its
-chunks' owners in turn (:class:`dta_fast.engine.SharedPrefix`).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from dta_ref.losses import TokenLoss
 
 from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
-from .engine import SharedPrefix, _tree_backward
-from .partition import Partition, partition
-from .tree import _token_arrays, build_tree
-
-# a common prefix shorter than this per rank is trained on every rank: not worth its collectives
-MIN_SHARED_TOKENS_PER_RANK = 64
+from .engine import tree_backward
+from .partition import partition
+from .tree import build_tree
 
 
 class _ShardLoss(TokenLoss):
@@ -71,32 +61,16 @@ def _checked_shards(plan, num_sequences, world) -> list[list[int]]:
     return shards
 
 
-def _common_prefix(sequences, plan) -> int:
-    """Tokens every sequence starts with: from a Partition when there is one."""
-    if isinstance(plan, Partition):
-        return plan.common_prefix
-    first = sequences[0]
-    common = min(len(s) for s in sequences)
-    for s in sequences:  # compared whole (fast for lists and tensors), converted only where they differ
-        a, b = s[:common], first[:common]
-        if not (bool((a == b).all()) if isinstance(a, (torch.Tensor, np.ndarray)) else a == b):
-            x, y = _token_arrays([a, b])
-            differ = np.flatnonzero(x != y)
-            common = int(differ[0]) if differ.size else common
-    return common
-
-
-def _shared_plan(sequences, world, cost_model, plan, rank, group, shared_prefix):
+def _shared_plan(sequences, world, cost_model, plan, rank, group):
     """Rank 0 partitions (or checks the given plan) and sends it (or its error) to all, so ranks agree
-    and none waits forever; with it, how many leading tokens are trained as a shared prefix (0: none)."""
+    and none waits forever."""
     message = [None]
     if rank == 0:
         try:
             if plan is None:
-                plan = partition(sequences, world, cost_model)
-            shards = _checked_shards(plan, len(sequences), world)
-            common = _common_prefix(sequences, plan) if shared_prefix and world > 1 and all(shards) else 0
-            message[0] = ("ok", (shards, common if common >= MIN_SHARED_TOKENS_PER_RANK * world else 0))
+                message[0] = ("ok", partition(sequences, world, cost_model).shards)
+            else:
+                message[0] = ("ok", _checked_shards(plan, len(sequences), world))
         except (TypeError, ValueError) as error:
             message[0] = (type(error).__name__, str(error))
     src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -107,9 +81,7 @@ def _shared_plan(sequences, world, cost_model, plan, rank, group, shared_prefix)
     return payload
 
 
-def distributed_tree_backward(
-    model, sequences, loss_fn, *, group=None, cost_model=None, plan=None, shared_prefix=True, **options
-):
+def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_model=None, plan=None, **options):
     """Train the whole batch across the ranks of ``group``; every rank's ``.grad`` gets the whole gradient.
 
     ``model``: a plain module (its gradients are all-reduced here), a
@@ -133,12 +105,8 @@ def distributed_tree_backward(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shard = _shared_plan(sequences, world, cost_model, plan, rank, group)[rank]
     module, no_sync = _unwrap(model)
-    shards, common = _shared_plan(
-        sequences, world, cost_model, plan, rank, group, shared_prefix and not is_fsdp2(module)
-    )  # fmt: skip
-    shard = shards[rank]
-    shared = SharedPrefix(common, rank, world, group) if common else None
 
     def run_shard(module):
         """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
@@ -155,7 +123,7 @@ def distributed_tree_backward(
                 return loss_fn(shard[j], lp)
 
         with no_sync:
-            logprobs, loss = _tree_backward(module, tree, local_fn, shared=shared, **options)
+            logprobs, loss = tree_backward(module, tree, local_fn, **options)
         return loss.detach().double(), logprobs
 
     if is_fsdp2(module):  # FSDP2 reduce-scatters once, at the end, adding to the .grad already there

@@ -29,7 +29,6 @@ the same parameter gradient.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,76 +58,26 @@ class _Chunk:
     values: list = field(default_factory=list)
     dkeys: list = field(default_factory=list)  # per layer float32 accumulators, or None
     dvalues: list = field(default_factory=list)
-    graph: _Pass | None = None  # kept autograd state when not recomputing
-    hidden: torch.Tensor | None = None  # final hidden states, detached: kept for a shared prefix only
-
-
-@dataclass
-class _Pass:
-    """What one forward of a chunk leaves: the logprobs of its (sequence, step) pairs and their span, its
-    final hidden states, its per-layer K/V, the prefix K/V leaves (with grad) and which tokens of which
-    open chunks the prefix holds."""
-
-    logprobs: torch.Tensor
-    span: slice
-    hidden: torch.Tensor
-    ks: list
-    vs: list
-    leaves: list
-    selections: list
-
-
-@dataclass
-class SharedPrefix:
-    """Tokens [0, length) that start the tree of every rank of ``group``: the batch's common prefix.
-
-    It runs as the tree's leading chunks, chunk k [bounds[k], bounds[k+1]) owned by rank k % world
-    (``bounds`` from :func:`_shared_bounds`). Every rank runs their forwards (its own tokens attend
-    their K/V). At a shared chunk's close each rank backpropagates its own loss terms on the chunk's
-    logprobs through the output head only; the gradients reaching the chunk's final hidden states
-    and K/V are summed over the group, and only the owner backpropagates that sum through the
-    model. So the prefix's backward runs once, spread over the ranks, instead of once on every
-    rank, with the same total gradient (docs/distributed.md).
-    """
-
-    length: int
-    rank: int
-    world: int
-    group: object = None
-    bounds: tuple[int, ...] = ()
-
-    def owner(self, k: int) -> int:
-        return k % self.world
+    graph: dict | None = None  # kept autograd state when not recomputing
 
 
 class _Engine:
-    def __init__(self, model, tree, attention_impl, recompute, shared: SharedPrefix | None = None):
+    def __init__(self, model, tree, attention_impl, recompute):
         self.model, self.tree = model, tree
         self.head = output_head(model)
         self.subtree_end = tree.subtree_end
         self.pairs = LogprobPairs.of(tree)
         self.attention_impl = attention_impl
         self.recompute = recompute
-        self.shared = shared
-
-    def shared_index(self, chunk: _Chunk) -> int | None:
-        """Which shared chunk this is, or None."""
-        if self.shared is None or chunk.stop > self.shared.bounds[-1]:
-            return None
-        return self.shared.bounds.index(chunk.start)
-
-    def owns(self, chunk: _Chunk) -> bool:
-        """Whether this rank backpropagates through the model from this chunk."""
-        k = self.shared_index(chunk)
-        return k is None or self.shared.owner(k) == self.shared.rank
 
     # ---------------------------------------------------------------- forward
 
-    def forward_chunk(self, chunk: _Chunk, below: list[_Chunk], grad: bool) -> _Pass:
+    def forward_chunk(self, chunk: _Chunk, below: list[_Chunk], grad: bool):
         """Run one chunk with its ancestors' K/V as prefix.
 
-        A shared chunk's logprobs come from its detached hidden states: its
-        loss reaches the model through :meth:`shared_seeds` only.
+        Returns the logprobs of its (sequence, step) pairs and their span, its
+        per-layer K/V, the prefix K/V leaves (with ``grad``) and which tokens
+        of which open chunks the prefix holds.
         """
         a, b = chunk.start, chunk.stop
         end = self.subtree_end
@@ -167,48 +116,38 @@ class _Engine:
             ids = self.tree.tokens[a:b][None]
             hidden = hidden_states(self.model, ids, self.tree.position_ids[a:b][None], attend)[0]
             span = self.pairs.span(a, b)
-            shared = self.shared_index(chunk) is not None
-            logprobs = self.logprobs(hidden.detach() if shared else hidden, span, a)
+            logprobs = rows_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
         layers = sorted(chunk_k)
         ks, vs = [chunk_k[i] for i in layers], [chunk_v[i] for i in layers]
-        return _Pass(logprobs, span, hidden, ks, vs, prefix_leaves, selections)
-
-    def logprobs(self, hidden, span, start):
-        return rows_logprobs(hidden, self.head, self.pairs.rows[span] - start, self.pairs.targets[span])
+        return logprobs, span, ks, vs, prefix_leaves, selections
 
     # --------------------------------------------------------------- backward
 
     def close(self, chunk: _Chunk, below: list[_Chunk], seed):
         """Backward of a chunk whose descendants are all done."""
-        shared = self.shared_index(chunk) is not None
-        sums = self.shared_seeds(chunk, seed) if shared else None
-        if self.owns(chunk):
-            run = chunk.graph if chunk.graph is not None else self.forward_chunk(chunk, below, grad=True)
-            if shared:
-                tensors = [run.hidden] + run.ks + run.vs
-                parts = sums.split([t.numel() for t in tensors])
-                grads = [g.view(t.shape).to(t.dtype) for t, g in zip(tensors, parts)]
-            else:
-                tensors, grads = [], []
-                if run.logprobs.numel() and run.logprobs.requires_grad:
-                    tensors.append(seed(run.span, run.logprobs))
-                    grads.append(torch.ones_like(tensors[-1]))
-                for outs, accs in ((run.ks, chunk.dkeys), (run.vs, chunk.dvalues)):
-                    for out, acc in zip(outs, accs):
-                        if acc is not None and out.requires_grad:
-                            tensors.append(out)
-                            grads.append(acc.to(out.dtype))
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-            self.pass_prefix_gradients(run)
-        chunk.graph = chunk.hidden = None
-        chunk.keys = chunk.values = chunk.dkeys = chunk.dvalues = []  # free
-
-    def pass_prefix_gradients(self, run: _Pass):
-        """Add the gradients of a chunk's prefix K/V to the chunks that own those keys."""
-        for layer, pk, pv in run.leaves:
+        if chunk.graph is None:
+            logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, below, grad=True)
+        else:
+            g = chunk.graph
+            logprobs, span, ks, vs, leaves, selections = (
+                g["logprobs"], g["span"], g["ks"], g["vs"], g["leaves"], g["selections"],
+            )  # fmt: skip
+            chunk.graph = None
+        tensors, grads = [], []
+        if logprobs.numel() and logprobs.requires_grad:
+            tensors.append(seed(span, logprobs))
+            grads.append(torch.ones_like(tensors[-1]))
+        for outs, accs in ((ks, chunk.dkeys), (vs, chunk.dvalues)):
+            for out, acc in zip(outs, accs):
+                if acc is not None and out.requires_grad:
+                    tensors.append(out)
+                    grads.append(acc.to(out.dtype))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        # pass the prefix gradients down to the chunks that own those keys
+        for layer, pk, pv in leaves:
             offset = 0
-            for c, sel in run.selections:
+            for c, sel in selections:
                 n = sel.numel()
                 for grad_full, accs, store in ((pk.grad, c.dkeys, c.keys), (pv.grad, c.dvalues, c.values)):
                     if grad_full is None:
@@ -218,30 +157,7 @@ class _Engine:
                         accs[layer] = torch.zeros(store[layer].shape, dtype=acc_dtype, device=store[layer].device)
                     accs[layer].index_add_(2, sel, grad_full[:, :, offset : offset + n].to(accs[layer].dtype))
                 offset += n
-
-    def shared_seeds(self, chunk: _Chunk, seed) -> torch.Tensor:
-        """The gradients reaching a shared chunk's final hidden states and K/V, summed over the ranks.
-
-        This rank's part: its loss terms on the chunk's logprobs through the
-        output head alone (the head's parameters get their gradient here), and
-        the dK/dV its own later chunks left. One flat buffer, one all-reduce.
-        """
-        import torch.distributed as dist
-
-        hidden = chunk.hidden.requires_grad_(True)
-        span = self.pairs.span(chunk.start, chunk.stop)
-        logprobs = self.logprobs(hidden, span, chunk.start)
-        if logprobs.numel() and logprobs.requires_grad:
-            seed(span, logprobs).backward()
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        outputs = [hidden] + chunk.keys + chunk.values
-        cotangents = [hidden.grad] + chunk.dkeys + chunk.dvalues
-        flat = torch.cat([
-            (g.to(dtype) if g is not None else torch.zeros(out.shape, dtype=dtype, device=out.device)).flatten()
-            for out, g in zip(outputs, cotangents)
-        ])  # fmt: skip
-        dist.all_reduce(flat, group=self.shared.group)
-        return flat
+        chunk.keys = chunk.values = chunk.dkeys = chunk.dvalues = []  # free
 
     def run(self, chunks: list[tuple[int, int]], seed, out_logprobs):
         open_chunks: list[_Chunk] = []
@@ -253,19 +169,15 @@ class _Engine:
             chunk = _Chunk(a, b, int(end[a:b].max()))
             # a chunk holding all its descendants closes before the next forward: keeping its graph
             # costs no more memory than recomputing it would, and saves the second forward
-            keep_graph = (not self.recompute or chunk.max_end <= b) and self.owns(chunk)
-            run = self.forward_chunk(chunk, open_chunks, grad=keep_graph)
-            out_logprobs[self.pairs.seq[run.span], self.pairs.step[run.span]] = (
-                run.logprobs.detach().to(out_logprobs.dtype)
-            )
-            chunk.keys = [k.detach() for k in run.ks]
-            chunk.values = [v.detach() for v in run.vs]
-            chunk.dkeys = [None] * len(run.ks)
-            chunk.dvalues = [None] * len(run.vs)
-            if self.shared_index(chunk) is not None:
-                chunk.hidden = run.hidden.detach()
+            keep_graph = not self.recompute or chunk.max_end <= b
+            logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, open_chunks, grad=keep_graph)
+            out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.detach().to(out_logprobs.dtype)
+            chunk.keys = [k.detach() for k in ks]
+            chunk.values = [v.detach() for v in vs]
+            chunk.dkeys = [None] * len(ks)
+            chunk.dvalues = [None] * len(vs)
             if keep_graph:
-                chunk.graph = run
+                chunk.graph = dict(logprobs=logprobs, span=span, ks=ks, vs=vs, leaves=leaves, selections=selections)
             open_chunks.append(chunk)
         while open_chunks:
             done = open_chunks.pop()
@@ -279,9 +191,9 @@ class _Engine:
             while open_chunks and open_chunks[-1].max_end <= a:
                 open_chunks.pop()
             chunk = _Chunk(a, b, int(end[a:b].max()))
-            run = self.forward_chunk(chunk, open_chunks, grad=False)
-            out_logprobs[self.pairs.seq[run.span], self.pairs.step[run.span]] = run.logprobs.to(out_logprobs.dtype)
-            chunk.keys, chunk.values = run.ks, run.vs
+            logprobs, span, ks, vs, _, _ = self.forward_chunk(chunk, open_chunks, grad=False)
+            out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.to(out_logprobs.dtype)
+            chunk.keys, chunk.values = ks, vs
             open_chunks.append(chunk)
 
 
@@ -336,7 +248,7 @@ class _ChunkPlan:
     prefix_keep: int  # most prefix tokens saved by the graphs of the open chunks at once
 
 
-def _plan(tree: PrefixTree, size: int, recompute: bool = False, lead: tuple[int, ...] = ()) -> _ChunkPlan:
+def _plan(tree: PrefixTree, size: int, recompute: bool = False) -> _ChunkPlan:
     """Consecutive chunks of at most ``size`` tokens that never hold an older chunk open.
 
     A chunk stays open until the last token below any of its tokens (its
@@ -357,9 +269,6 @@ def _plan(tree: PrefixTree, size: int, recompute: bool = False, lead: tuple[int,
     tokens whose subtrees run past it (a shared prompt), to just after the
     deepest branch point among them, so that mostly shared prefixes stay
     open and are recomputed.
-
-    ``lead``: the first chunks end exactly there (a shared prefix's chunks, none
-    longer than ``size``).
     """
     T = tree.num_tokens
     end = tree.subtree_end.cpu().numpy()
@@ -374,9 +283,7 @@ def _plan(tree: PrefixTree, size: int, recompute: bool = False, lead: tuple[int,
         # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
         over = (window > limit).nonzero()[0]
         n = int(over[0]) if over.size else window.size
-        if len(plan.chunks) < len(lead):
-            n = lead[len(plan.chunks)] - a
-        elif recompute and a + n < T:
+        if recompute and a + n < T:
             n = _recompute_friendly_length(end, a, n)
         b = a + n
         plan.chunks.append((a, b))
@@ -406,8 +313,8 @@ def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
     return int(branching[-1]) + 1 if branching.size else run
 
 
-def _chunks(tree: PrefixTree, size: int, recompute: bool = False, lead: tuple[int, ...] = ()) -> list[tuple[int, int]]:
-    return _plan(tree, size, recompute, lead).chunks
+def _chunks(tree: PrefixTree, size: int, recompute: bool = False) -> list[tuple[int, int]]:
+    return _plan(tree, size, recompute).chunks
 
 
 def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
@@ -467,18 +374,6 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, r
     return lo
 
 
-def _shared_bounds(shared: SharedPrefix, size: int, device) -> SharedPrefix:
-    """The shared prefix with its chunk bounds: at least one chunk per rank, none longer than any
-    rank's chunk size (one collective agrees on that)."""
-    import torch.distributed as dist
-
-    smallest = torch.tensor([size], dtype=torch.int64, device=device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=shared.group)
-    count = max(shared.world, -(-shared.length // int(smallest)))
-    bounds = tuple(shared.length * k // count for k in range(count + 1))
-    return dataclasses.replace(shared, bounds=bounds)
-
-
 def tree_backward(
     model,
     tree: PrefixTree,
@@ -510,18 +405,6 @@ def tree_backward(
     Returns ``(logprobs, loss)``: detached per-sequence logprobs [N, Lmax-1]
     (the layout of ``tree_logprobs``) and the detached total loss.
     """
-    return _tree_backward(
-        model, tree, loss_fn, max_chunk_tokens=max_chunk_tokens, memory_budget_bytes=memory_budget_bytes,
-        recompute=recompute, attention_impl=attention_impl,
-    )  # fmt: skip
-
-
-def _tree_backward(
-    model, tree, loss_fn, *, max_chunk_tokens=None, memory_budget_bytes=None, recompute=None, attention_impl="auto",
-    shared: SharedPrefix | None = None,
-):  # fmt: skip
-    """:func:`tree_backward`; with a :class:`SharedPrefix` (the same on every rank of its group) the
-    tree's first chunks are that prefix's."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     if not callable(loss_fn):
@@ -560,14 +443,12 @@ def _tree_backward(
         attention_impl = "kernel" if device.type == "cuda" else "reference"
     T = tree.num_tokens
     size = T if max_chunk_tokens is None else min(max_chunk_tokens, T)
-    lead = ()
-    if shared is not None:
-        shared = _shared_bounds(shared, size, device)
-        lead = shared.bounds[1:]
+    chunks = _chunks(tree, size)
     if recompute is None:
-        recompute = len(_chunks(tree, size)) > 1
-    chunks = _chunks(tree, size, bool(recompute), lead)
-    engine = _Engine(model, tree, attention_impl, recompute, shared)
+        recompute = len(chunks) > 1
+    if recompute:
+        chunks = _chunks(tree, size, recompute=True)
+    engine = _Engine(model, tree, attention_impl, recompute)
     pairs = engine.pairs
     dtype = logprob_dtype(next(model.parameters()).dtype)
     N, width = tree.num_sequences, tree.max_length - 1

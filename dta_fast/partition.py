@@ -391,8 +391,6 @@ class Partition:
     pieces            the units the best LPT run assigned (sorted input indices), in preorder
     piece_costs       cost of each piece alone
     piece_target      the cost above which that run split a piece (slack * cost(batch) / world_size)
-    common_prefix     tokens every sequence of the batch starts with (what
-                      ``distributed_tree_backward`` trains once for all ranks)
     """
 
     shards: list[list[int]]
@@ -408,7 +406,6 @@ class Partition:
     piece_costs: list[float]
     piece_target: float
     cost_model: CostModel = field(repr=False)
-    common_prefix: int = 0
 
     @property
     def world_size(self) -> int:
@@ -647,5 +644,4 @@ def partition(
         piece_costs=piece_costs,
         piece_target=target,
         cost_model=model,
-        common_prefix=int(batch.length[0]) if n == 1 else int(batch.lcp[1:].min()),
     )

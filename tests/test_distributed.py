@@ -26,8 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _batch(name="mixed"):
     if name == "duplicates":
         return [[5, 6, 7, 8, 9, 10]] * 3 + [[1, 2]]
-    if name == "shared":  # one system prompt long enough to be trained once (MIN_SHARED_TOKENS_PER_RANK)
-        return agentic_batch(260, 3, 4, 2, 2, 3, 3, vocab_size=64, seed=6)
     return (
         grpo_batch(2, 9, 3, 5, vocab_size=64, seed=3)
         + agentic_batch(12, 2, 3, 2, 3, 3, 4, vocab_size=64, seed=4)
@@ -89,14 +87,10 @@ def _worker(rank, world, init_file, *args):
         _destroy_group()
 
 
-def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=None, shared_chunks=None):
+def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=None):
     import dta_fast
-    from dta_fast.engine import _Engine
 
     sequences = _batch(batch)
-    closed = []  # shared chunks this rank closed
-    shared_seeds = _Engine.shared_seeds
-    _Engine.shared_seeds = lambda self, chunk, seed: closed.append(chunk.start) or shared_seeds(self, chunk, seed)
     exp_loss, exp_grads, (old, adv, mask) = expected
     model = _model(kind)
     start = [torch.full_like(p, 0.25) for p in model.parameters()]
@@ -121,17 +115,13 @@ def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=N
     all_indices = [None] * world
     dist.all_gather_object(all_indices, indices)
     assert sorted(i for part in all_indices for i in part) == list(range(len(sequences)))
-    assert len(closed) == (shared_chunks or 0)  # the prefix every sequence shares: trained once, or not shared
 
 
-def _spawn(
-    tmp_path, world, kind="decoder", wrap_ddp=False, generic=False, chunk=None, batch="mixed", shards=None,
-    shared_chunks=None,
-):  # fmt: skip
+def _spawn(tmp_path, world, kind="decoder", wrap_ddp=False, generic=False, chunk=None, batch="mixed", shards=None):
     expected = _expected(kind, _batch(batch), generic)
     mp.spawn(
         _worker,
-        args=(world, str(tmp_path / "init"), kind, wrap_ddp, generic, chunk, batch, expected, shards, shared_chunks),
+        args=(world, str(tmp_path / "init"), kind, wrap_ddp, generic, chunk, batch, expected, shards),
         nprocs=world,
         join=True,
     )
@@ -140,18 +130,6 @@ def _spawn(
 @pytest.mark.parametrize("world", [2, 3])
 def test_decoder_matches_flat(tmp_path, world):
     _spawn(tmp_path, world, chunk=7)
-
-
-@pytest.mark.parametrize(
-    "world, chunk, shared_chunks", [(2, None, 2), (3, 37, 8), (2, 300, 2)]  # 260 shared tokens: >= 1 chunk per rank
-)
-def test_shared_prefix_trained_once(tmp_path, world, chunk, shared_chunks):
-    """The system prompt's backward runs once, its chunks owned by the ranks in turn; gradients unchanged."""
-    _spawn(tmp_path, world, chunk=chunk, batch="shared", shared_chunks=shared_chunks)
-
-
-def test_shared_prefix_hf_ddp_generic_loss(tmp_path):
-    _spawn(tmp_path, 2, kind="qwen3", wrap_ddp=True, generic=True, chunk=64, batch="shared", shared_chunks=5)
 
 
 def test_empty_shards_take_part(tmp_path):
@@ -194,22 +172,6 @@ def test_more_ranks_than_sequences_and_bad_plans(tmp_path):
     mp.spawn(_empty_shard_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
-def test_common_prefix_of_any_input():
-    """The prefix trained once: from the Partition, or found in lists, tensors and arrays alike."""
-    import numpy as np
-
-    from dta_fast import partition
-    from dta_fast.distributed import _common_prefix
-
-    sequences = _batch("shared")
-    assert partition(sequences, 2).common_prefix == 260
-    for given in (sequences, [torch.tensor(s) for s in sequences], [np.asarray(s) for s in sequences]):
-        assert _common_prefix(given, None) == 260
-    assert _common_prefix([[1, 2, 3], (1, 2, 4), [1, 2]], None) == 2  # a tuple equal to a list
-    assert _common_prefix(torch.tensor([[1, 2, 3], [1, 5, 3]]), None) == 1
-    assert _common_prefix(_batch(), [[0], [1]]) == 0 == partition(_batch(), 2).common_prefix
-
-
 def test_needs_process_group():
     import dta_fast
 
@@ -229,26 +191,26 @@ def _nccl_worker(rank, world, init_file, check, expected):
         _destroy_group()
 
 
-def _check_nccl_rank(rank, world, expected, batch="mixed", chunk=8):
+def _check_nccl_rank(rank, world, expected):
     import dta_fast
 
     exp_loss, exp_grads, (old, adv, mask) = expected
     model = _model("decoder").float().cuda()
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
     loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
-    loss, _, _ = dta_fast.distributed_tree_backward(model, _batch(batch), loss_fn, max_chunk_tokens=chunk)
+    loss, _, _ = dta_fast.distributed_tree_backward(model, _batch(), loss_fn, max_chunk_tokens=8)
     torch.testing.assert_close(loss.cpu(), exp_loss, rtol=1e-4, atol=1e-5)
     scale = max(g.abs().max().item() for g in exp_grads)
     for p, g in zip(model.module.parameters(), exp_grads):
         torch.testing.assert_close(p.grad.double().cpu(), g, rtol=0, atol=1e-4 * scale)
 
 
-def _spawn_nccl(tmp_path, check, batch="mixed"):
+def _spawn_nccl(tmp_path, check):
     """One process per GPU (2 to 4), each running ``check(rank, world, expected)``."""
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip("needs at least 2 GPUs")
-    expected = _expected("decoder", _batch(batch), False)
+    expected = _expected("decoder", _batch(), False)
     world = min(world, 4)
     mp.spawn(_nccl_worker, args=(world, str(tmp_path / "init"), check, expected), nprocs=world, join=True)
 
@@ -257,20 +219,6 @@ def _spawn_nccl(tmp_path, check, batch="mixed"):
 def test_nccl_kernel_path(tmp_path):
     """Two GPUs, NCCL, the Triton kernel: the same whole-batch gradients as one process."""
     _spawn_nccl(tmp_path, _check_nccl_rank)
-
-
-def _check_nccl_shared_rank(rank, world, expected):
-    from dta_fast import partition
-    from dta_fast.distributed import MIN_SHARED_TOKENS_PER_RANK
-
-    assert partition(_batch("shared"), world).common_prefix >= MIN_SHARED_TOKENS_PER_RANK * world  # it is shared
-    _check_nccl_rank(rank, world, expected, batch="shared", chunk=48)
-
-
-@pytest.mark.gpu
-def test_nccl_shared_prefix(tmp_path):
-    """The same with a system prompt trained once, its chunks' backward spread over the GPUs."""
-    _spawn_nccl(tmp_path, _check_nccl_shared_rank, batch="shared")
 
 
 # ------------------------------------------------------------------ FSDP2
