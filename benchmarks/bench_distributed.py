@@ -2,8 +2,10 @@
 
     python benchmarks/bench_distributed.py [--gpus 1 2 4] [--batches agentic grpo] [--tasks 16] [--chunks 8192]
 
-One process per GPU, spawned here for each world size, trains the same model
-(a Qwen2-0.5B shape with random weights, bfloat16) on the same batch
+One process per GPU, spawned here for each world size (each with its share
+of the host's CPU threads, as launchers set it, so that a rank's host work
+does not contend with the other ranks' for every core), trains the same
+model (a Qwen2-0.5B shape with random weights, bfloat16) on the same batch
 (sequences shuffled, as a sampler delivers them) with
 ``dta_fast.distributed_tree_backward``; the loss is the token-mean SFT loss.
 Plans compared at each world size:
@@ -93,6 +95,7 @@ def worker(rank, world, init_file, args, result_file):
     from dta_ref import PrefixTree, SFTLoss
 
     torch.cuda.set_device(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # each rank its share of the host, as launchers do
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model = build_model("qwen2-0.5b")

@@ -24,18 +24,6 @@ from .partition import partition
 from .tree import build_tree
 
 
-class _ShardLoss(TokenLoss):
-    """A TokenLoss of the whole batch, seen from one shard (local index j is global index shard[j])."""
-
-    def __init__(self, loss_fn: TokenLoss, shard: list[int], width: int):
-        self.full = loss_fn
-        self.global_index = torch.tensor(shard, dtype=torch.long)
-        super().__init__(loss_fn.weights[self.global_index, :width])
-
-    def terms(self, seq, step, logprobs):
-        return self.full.terms(self.global_index.to(seq.device)[seq], step, logprobs)
-
-
 def _unwrap(model):
     """The module to run and a context that keeps a DDP wrapper from reducing on its own.
 
@@ -116,7 +104,7 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         tree = build_tree([sequences[i] for i in shard])
         width = tree.max_length - 1
         if isinstance(loss_fn, TokenLoss):
-            local_fn = _ShardLoss(loss_fn, shard, width)
+            local_fn = loss_fn.rows(shard, width)  # the shard's rows only, moved to the GPU once
         else:
 
             def local_fn(j, lp):

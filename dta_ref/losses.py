@@ -143,6 +143,30 @@ class TokenLoss:
                 setattr(moved, name, value.to(device))
         return moved
 
+    def rows(self, index, width: int | None = None) -> "TokenLoss":
+        """The same loss over sequences ``index`` only: its sequence j is sequence ``index[j]`` here.
+
+        Normalisation is unchanged (it lives in the weights), so the terms of
+        disjoint row sets add up to the whole batch's loss. ``width`` keeps the
+        first ``width`` steps (default: all). Every tensor whose first
+        dimension is the sequences is indexed, its step dimension cut, and held
+        TokenLosses too: subclasses keep per-sequence inputs as [N, ...] and
+        per-token inputs as [N, L, ...] tensors, or override this.
+        """
+        N, L = self.shape
+        index = torch.as_tensor(index, dtype=torch.long)
+        width = L if width is None else width
+        if not 0 <= width <= L:
+            raise ValueError(f"width must be between 0 and {L}, got {width}")
+        picked = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, TokenLoss):
+                setattr(picked, name, value.rows(index, width))
+            elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == N:
+                value = value[index.to(value.device)]
+                setattr(picked, name, value[:, :width] if value.dim() >= 2 and value.shape[1] == L else value)
+        return picked
+
     def terms(self, seq: torch.Tensor, step: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Weighted terms of the (seq[p], step[p]) tokens whose logprobs are ``logprobs[p]``."""
         weights = self.weights.to(logprobs.device)[seq, step].to(logprobs.dtype)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dta_ref import clipped_policy_gradient_terms, policy_gradient_loss, sft_loss, token_weights
+from dta_ref import TokenLoss, clipped_policy_gradient_terms, policy_gradient_loss, sft_loss, token_weights
 
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
 
@@ -212,15 +212,28 @@ def test_loss_decomposes_per_sequence(normalization, loss_name):
     assert bool((g_whole[mask] != 0).any())
 
 
-def test_token_loss_moves_every_tensor_once():
-    """TokenLoss.to copies the loss with every tensor, nested losses included, on the device; terms agree."""
-    from dta_fast.distributed import _ShardLoss
+class _Nested(TokenLoss):
+    """A TokenLoss holding another, as a wrapper of a user's loss would."""
+
+    def __init__(self, inner):
+        super().__init__(inner.weights * 2)
+        self.inner = inner
+
+    def _term(self, seq, step, logprobs):
+        return self.inner._term(seq, step, logprobs)
+
+
+def _pg_loss():
     from dta_ref import PolicyGradientLoss
 
     old = torch.log(torch.tensor([[0.5, 0.9, 1.0], [0.8, 0.7, 0.6]], dtype=torch.float64))
-    pg = PolicyGradientLoss(old, ADV, MASK, dual_clip=3.0)
-    shard = _ShardLoss(pg, [1], 3)
-    for loss in (pg, shard):
+    return PolicyGradientLoss(old, ADV, MASK, dual_clip=3.0)
+
+
+def test_token_loss_moves_every_tensor_once():
+    """TokenLoss.to copies the loss with every tensor, nested losses included, on the device; terms agree."""
+    pg = _pg_loss()
+    for loss in (pg, _Nested(pg)):
         meta = loss.to("meta")
         assert type(meta) is type(loss) and meta is not loss
         tensors = [v for v in vars(meta).values() if isinstance(v, torch.Tensor)]
@@ -231,3 +244,21 @@ def test_token_loss_moves_every_tensor_once():
         seq, step = torch.tensor([0, 0]), torch.tensor([0, 2])
         lp_ = LOGPROBS[1, [0, 2]]
         assert torch.equal(loss.to("cpu").terms(seq, step, lp_), loss.terms(seq, step, lp_))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_token_loss_rows_is_the_loss_of_those_sequences(nested):
+    """rows(index, width): sequence j is sequence index[j], normalisation kept; disjoint rows add up."""
+    pg = _Nested(_pg_loss()) if nested else _pg_loss()
+    seq, step = torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2])
+    for i in range(2):
+        one = pg.rows([i], 3)
+        assert one.shape == (1, 3)
+        assert torch.equal(one.terms(seq, step, LOGPROBS[i]), pg.terms(seq + i, step, LOGPROBS[i]))
+    assert pg.rows([1], 2).shape == (1, 2)
+    assert torch.equal(pg.rows([1, 0]).terms(torch.tensor([1]), torch.tensor([2]), LOGPROBS[0, 2:]),
+                       pg.terms(torch.tensor([0]), torch.tensor([2]), LOGPROBS[0, 2:]))  # fmt: skip
+    whole = sum(pg(i, LOGPROBS[i]) for i in range(2))
+    assert torch.allclose(pg.rows([0])(0, LOGPROBS[0]) + pg.rows([1])(0, LOGPROBS[1]), whole, rtol=1e-14)
+    with pytest.raises(ValueError, match="width"):
+        pg.rows([0], 4)
