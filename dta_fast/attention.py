@@ -454,7 +454,8 @@ def tree_attention_bwd_dq_kernel(
 
 
 # (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, from benchmarks/tune_attention.py on H100.
-# dK/dV at head dim 128: 32x64 runs the agentic steps' attention 17-23% faster than 64x64 and GRPO's 3% slower
+# dK/dV at head dims 65..128: at 16 query heads over 8 K/V heads (the 1.7B training shape), 32x64 is 17-23%
+# faster than 64x64 on agentic trees and 3% slower on GRPO; at 32 over 32 heads it costs 2-4% (docs/benchmarks.md)
 BLOCKS = {"fwd": (128, 64), "dkdv": (32, 64), "dq": (64, 64)}  # head dim 65..128
 BLOCKS_SMALL_HEAD = {"fwd": (128, 128), "dkdv": (64, 64), "dq": (64, 128)}  # head dim <= 64
 BLOCKS_LARGE_HEAD = {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}  # head dim > 128

@@ -81,7 +81,7 @@ import torch
 
 from dta_ref.tree import PrefixTree
 
-from .tree import _sort_with_lcp, _token_arrays
+from .tree import _range_min_table, _sort_with_lcp, _token_arrays
 
 __all__ = ["CostModel", "Partition", "TreeStats", "partition", "tree_stats"]
 
@@ -299,17 +299,7 @@ class _Batch:
         self.order = np.asarray(order, dtype=np.int64)  # [N] input index
         self.length = np.asarray(lengths, dtype=np.int64)[self.order]  # [N]
         self.lcp = np.asarray(lcp, dtype=np.int64)  # [N]
-        # sparse table: _table[k, p] = min(lcp[p : p + 2^k])
-        levels = max(1, self.n.bit_length())
-        table = np.full((levels, self.n), np.iinfo(np.int64).max, dtype=np.int64)
-        table[0] = self.lcp
-        for k in range(1, levels):
-            half = 1 << (k - 1)
-            width = self.n - (1 << k) + 1
-            if width <= 0:
-                break
-            table[k, :width] = np.minimum(table[k - 1, :width], table[k - 1, half : half + width])
-        self._table = table
+        self._table = _range_min_table(self.lcp)  # [k, p] = min(lcp[p : p + 2^k])
         self._log2 = np.zeros(self.n + 1, dtype=np.int64)
         for w in range(2, self.n + 1):
             self._log2[w] = self._log2[w >> 1] + 1

@@ -81,22 +81,25 @@ def _first_later_at_most(lcp: np.ndarray, after: np.ndarray, limit: np.ndarray) 
     Binary lifting: from q = after + 1, jump 2^j ahead whenever all of the
     next 2^j lcp values exceed the limit, largest jumps first.
     """
-    n = lcp.shape[0]
-    levels = max(1, int(n).bit_length())
-    # table[j][q] = min(lcp[q : q + 2^j]), past the end -1 (a rollout there would close every subtree)
-    padded = np.full(n + 1 + (1 << levels), -1, dtype=np.int64)
-    padded[:n] = lcp
-    table = [padded]
-    for j in range(1, levels + 1):
-        prev, half = table[-1], 1 << (j - 1)
-        level = np.full_like(prev, -1)
-        level[:-half] = np.minimum(prev[:-half], prev[half:])
-        table.append(level)
+    table = _range_min_table(lcp)  # past the end -1: a rollout there would close every subtree
     q = after + 1
-    for j in range(levels, -1, -1):
-        jump = table[j][q] > limit
+    for j in range(table.shape[0] - 1, -1, -1):
+        jump = table[j, q] > limit
         q = q + np.where(jump, 1 << j, 0)
     return q
+
+
+def _range_min_table(values: np.ndarray) -> np.ndarray:
+    """Sparse table: ``table[j, q] = min(values[q : q + 2**j])`` for 2**j up to 2 * len(values), -1 for
+    windows that run past the end; any range's minimum is that of two overlapping windows."""
+    n = values.shape[0]
+    levels = max(1, int(n).bit_length())
+    table = np.full((levels + 1, n + 1 + (1 << levels)), -1, dtype=np.int64)
+    table[0, :n] = values
+    for j in range(1, levels + 1):
+        half = 1 << (j - 1)
+        table[j, :-half] = np.minimum(table[j - 1, :-half], table[j - 1, half:])
+    return table
 
 
 # ------------------------------------------------------------------ the sorted batch
