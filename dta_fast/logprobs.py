@@ -13,14 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dta_ref.logprobs import (
-    check_token_ids,
-    hidden_states,
-    logprob_dtype,
-    model_device,
-    next_token_targets,
-    output_head,
-)
+from dta_ref.adapter import adapt
+from dta_ref.logprobs import logprob_dtype, next_token_targets
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
@@ -103,13 +97,13 @@ def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
     """Logprobs of every rollout [N, Lmax-1] from one packed forward with the Triton tree kernel."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
-    head = output_head(model)  # also rejects unsupported models
-    check_token_ids(model, tree.tokens)
-    tree = tree.to(model_device(model))
+    adapter = adapt(model)
+    adapter.check_token_ids(tree.tokens)
+    tree = tree.to(adapter.device)
     schedule = build_schedule(tree.subtree_end)
 
     def attend(layer_idx, q, k, v, scale):
         return tree_attention(q, k, v, scale=scale, schedule=schedule)
 
-    hidden = hidden_states(model, tree.tokens[None], tree.position_ids[None], attend)[0]
-    return gather_logprobs_chunked(hidden, head, tree)
+    hidden = adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0]
+    return gather_logprobs_chunked(hidden, adapter.head, tree)

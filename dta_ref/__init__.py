@@ -4,6 +4,7 @@ Explicit T x T masks, any dtype (float64 included), runs on the CPU, needs no
 Triton. It is the ground truth that every dta_fast op is tested against.
 """
 
+from .adapter import ModelAdapter, adapt
 from .attention import attention, mask_from_subtree_end, tree_attention_mask
 from .batches import agentic_batch, grpo_batch
 from .logprobs import flat_logprobs, gather_tree_logprobs, next_token_targets, tree_logprobs
@@ -21,6 +22,8 @@ from .tree import PrefixTree
 
 __all__ = [
     "PrefixTree",
+    "adapt",
+    "ModelAdapter",
     "tree_attention_mask",
     "mask_from_subtree_end",
     "attention",

@@ -1,22 +1,27 @@
 """Running Hugging Face causal LMs with an attention function of our choosing.
 
-transformers looks an attention function up by the name in
-``config._attn_implementation`` and passes extra forward kwargs down to it. We
-register one function under our own name; while :func:`attend_with` is active
-the model calls it, and it hands q, k, v to the ``attend(layer_idx, q, k, v,
-scale)`` callable given as the ``dta_attend`` forward kwarg. Because the name
-is not a known mask implementation, transformers builds no mask at all, so the
-same route serves the explicit-mask reference and the mask-free Triton kernel,
-whatever ``attn_implementation`` the user built the model with.
+A Hugging Face attention layer looks its attention function up by the name in
+``config._attn_implementation`` at every call, and passes extra forward kwargs
+down to it. We wrap the function registered under the model's name (and
+register one for "eager") with a router: a call that carries our
+``dta_attend`` kwarg goes to ``dta_attend(layer_idx, q, k, v, scale)``, any
+other call to the original function, unchanged. The route thus travels with
+the call itself: when gradient checkpointing recomputes a layer's forward
+during backward, the recomputed call carries the same ``dta_attend`` and is
+routed the same way, whatever the config says by then.
+
+The trunk is given a ready-made empty 4-D attention mask, which transformers
+passes through as it is, so no T x T mask is ever built: the same route serves
+the explicit-mask reference and the mask-free Triton kernel, whatever
+``attn_implementation`` the user built the model with.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import sys
 
 import torch
 
-IMPL_NAME = "dta_tree"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -28,9 +33,24 @@ def is_hf_model(model) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _dta_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, dta_attend=None, **kwargs):
-    if dta_attend is None:
-        raise RuntimeError(f"attention '{IMPL_NAME}' called without a dta_attend function; use dta_ref.hf.attend_with")
+def check_hf_model(model) -> None:
+    """A causal LM of a supported family with an LM head, or a clear error."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type '{cfg.model_type}' is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(model, "model"):
+        raise TypeError(
+            f"{type(model).__name__} has no language-model head: pass the causal LM "
+            "(e.g. Qwen2ForCausalLM), not a base model or a classification model"
+        )
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        raise ValueError("models with sliding-window attention layers are not supported on the tree path")
+
+
+def _tree_attention(module, query, key, value, dta_attend, dropout=0.0, scaling=None, **kwargs):
     if dropout:
         raise ValueError("attention dropout is not supported on the tree path: set attention_dropout=0")
     if kwargs.get("softcap") is not None:
@@ -41,34 +61,43 @@ def _dta_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     return out.transpose(1, 2).contiguous(), None
 
 
-def check_hf_model(model) -> None:
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type '{cfg.model_type}' is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-        raise ValueError("models with sliding-window attention layers are not supported on the tree path")
+def _eager_of(module):
+    """The eager attention function of the modeling file that defines ``module``'s class."""
+    for cls in type(module).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"no eager attention function found for {type(module).__name__}")
 
 
-@contextmanager
-def attend_with(model):
-    """Route every attention layer of ``model`` through ``dta_attend`` for the duration."""
+def _router(original):
+    def attention(module, query, key, value, attention_mask, *args, dta_attend=None, **kwargs):
+        if dta_attend is not None:
+            return _tree_attention(module, query, key, value, dta_attend, **kwargs)
+        fn = original if original is not None else _eager_of(module)
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.dta_router = True
+    return attention
+
+
+def route_attention(implementation: str) -> None:
+    """Install the router under the attention implementation ``implementation`` (once)."""
     from transformers import AttentionInterface
 
-    check_hf_model(model)
-    if IMPL_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(IMPL_NAME, _dta_attention)
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = IMPL_NAME
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = previous
+    current = AttentionInterface._global_mapping.get(implementation)
+    if getattr(current, "dta_router", False):
+        return
+    if current is None and implementation != "eager":
+        raise ValueError(f"attention implementation {implementation!r} is not supported on the tree path")
+    AttentionInterface.register(implementation, _router(current))
 
 
 def hf_hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
     """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend``."""
-    with attend_with(model):
-        out = model.model(input_ids=input_ids, position_ids=position_ids, dta_attend=attend, use_cache=False)
+    route_attention(model.config._attn_implementation)
+    no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
+    out = model.model(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, dta_attend=attend, use_cache=False
+    )
     return out.last_hidden_state

@@ -13,56 +13,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .adapter import adapt
 from .attention import attention, tree_attention_mask
-from .hf import hf_hidden_states, is_hf_model
-from .model import Decoder, causal_attend
 from .tree import PrefixTree, _as_token_list
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def logprob_dtype(dtype: torch.dtype) -> torch.dtype:
     """Logprobs are computed in float32 for half-precision models, else in the model's dtype."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def output_head(model):
-    """The linear map from final hidden states to vocabulary logits."""
-    if isinstance(model, Decoder):
-        return model.lm_head
-    if is_hf_model(model):
-        return model.get_output_embeddings()
-    raise unsupported_model(model)
-
-
-def unsupported_model(model) -> TypeError:
-    return TypeError(
-        f"unsupported model {type(model).__name__}: expected dta_ref.Decoder or a Hugging Face "
-        "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM"
-    )
-
-
-def check_token_ids(model, tokens: torch.Tensor) -> None:
-    """Token ids must index the model's embedding table (else CUDA fails with a device-side assert)."""
-    if isinstance(model, Decoder):
-        vocab = model.embed.num_embeddings
-    elif is_hf_model(model):
-        vocab = model.get_input_embeddings().num_embeddings
-    else:
-        raise unsupported_model(model)
-    if tokens.numel() and int(tokens.max()) >= vocab:
-        raise ValueError(f"token id {int(tokens.max())} is out of range for a vocabulary of {vocab} tokens")
-
-
-def hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
-    """Final hidden states [B, T, hidden] of ``model`` with attention done by ``attend``."""
-    if isinstance(model, Decoder):
-        return model.hidden_states(input_ids, position_ids, attend)
-    if is_hf_model(model):
-        return hf_hidden_states(model, input_ids, position_ids, attend)
-    raise unsupported_model(model)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,15 +55,16 @@ def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
     """Logprobs of every rollout from one packed forward over the tree (explicit mask)."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
-    check_token_ids(model, tree.tokens)
-    tree = tree.to(model_device(model))
+    adapter = adapt(model)
+    adapter.check_token_ids(tree.tokens)
+    tree = tree.to(adapter.device)
     mask = tree_attention_mask(tree)
 
     def attend(layer_idx, q, k, v, scale):
         return attention(q, k, v, mask, scale)
 
-    hidden = hidden_states(model, tree.tokens[None], tree.position_ids[None], attend)[0]
-    return gather_tree_logprobs(hidden, output_head(model), tree)
+    hidden = adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0]
+    return gather_tree_logprobs(hidden, adapter.head, tree)
 
 
 def flat_logprobs(model, sequences) -> torch.Tensor:
@@ -122,19 +81,32 @@ def flat_logprobs(model, sequences) -> torch.Tensor:
         raise TypeError(f"sequences must be a list of token sequences, got {type(sequences).__name__}")
     if len(sequences) == 0:
         raise ValueError("empty batch: at least one sequence is needed")
+    adapter = adapt(model)
     seqs = [_as_token_list(s, i) for i, s in enumerate(sequences)]
-    output_head(model)  # rejects unsupported models
-    check_token_ids(model, torch.tensor([max(s) for s in seqs]))
-    device = model_device(model)
+    adapter.check_token_ids(torch.tensor([max(s) for s in seqs]))
+    device = adapter.device
     width = max(len(s) for s in seqs) - 1
     rows = []
     for s in seqs:
         ids = torch.tensor(s, device=device)[None]
         positions = torch.arange(len(s), device=device)[None]
-        if is_hf_model(model):
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
-        else:
-            logits = output_head(model)(hidden_states(model, ids, positions, causal_attend)[0])
+        logits = adapter.logits(ids, positions)[0]
         lp = token_logprobs(logits[:-1], ids[0, 1:])
         rows.append(F.pad(lp, (0, width - lp.shape[0])))
     return torch.stack(rows)
+
+
+def model_device(model) -> torch.device:
+    return adapt(model).device
+
+
+def output_head(model):
+    return adapt(model).head
+
+
+def check_token_ids(model, tokens: torch.Tensor) -> None:
+    adapt(model).check_token_ids(tokens)
+
+
+def hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
+    return adapt(model).hidden_states(input_ids, position_ids, attend)

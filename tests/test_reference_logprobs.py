@@ -200,15 +200,19 @@ def test_hf_flat_logprobs_are_the_models_own_logits(family):
     assert_close_report(lp, expected, atol=1e-12, rtol=1e-12, name="HF flat logprobs")
 
 
-def test_hf_tree_path_restores_attention_implementation_after_an_error(monkeypatch):
+def test_hf_tree_path_leaves_the_model_as_built(monkeypatch):
     model = tiny_hf_model("llama", torch.float64, "eager", seed=12)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = model(input_ids=ids).logits
     tree = PrefixTree.from_sequences([[1, 2, 3]])
     bad = tree.to("cpu")
     object.__setattr__(bad, "tokens", torch.tensor([1, 2, V + 5]))  # out of the vocabulary
-    monkeypatch.setattr(dta_ref.logprobs, "check_token_ids", lambda *args: None)  # fail inside the model
+    monkeypatch.setattr(dta_ref.adapter.ModelAdapter, "check_token_ids", lambda *args: None)  # fail inside
     with pytest.raises(IndexError):
         dta_ref.tree_logprobs(model, bad)
+    dta_ref.tree_logprobs(model, tree)
     assert model.config._attn_implementation == "eager"
+    assert torch.equal(model(input_ids=ids).logits, before)
 
 
 @pytest.mark.parametrize("family", ["decoder", "llama"])

@@ -1,0 +1,191 @@
+"""One answer to "what is this model and how do I run it".
+
+Trainers hand models over wrapped: PEFT's ``PeftModel``, ``torch.compile``'s
+``OptimizedModule``, ``DistributedDataParallel``. :func:`adapt` looks through
+the wrappers once and returns a :class:`ModelAdapter` that knows the causal LM
+inside (a :class:`dta_ref.Decoder` or a Hugging Face Llama / Qwen2 / Qwen3),
+its trunk (embedding + layers + final norm, attention done by a callable of
+ours), its output head, its shape, and how to run it as its user built it.
+Every entry point of dta_ref and dta_fast asks the adapter, nothing else.
+
+PEFT injects its adapters (LoRA) into the wrapped model's own modules, so the
+trunk and head of the inner model already compute the adapted function. A
+compiled model runs its original module eagerly on the tree path. A DDP model
+runs its trunk through DDP's own call, so DDP prepares its gradient reduction
+as for any forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .hf import check_hf_model, hf_hidden_states, is_hf_model
+from .model import Decoder, causal_attend
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that memory estimates need."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    bytes_per_element: int
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+
+
+def _is_compiled(module) -> bool:
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def _is_data_parallel(module) -> bool:
+    return isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+
+
+def _is_peft(module) -> bool:
+    return callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config")
+
+
+class ModelAdapter:
+    """A causal LM as dta runs it, whatever wraps it. Build it with :func:`adapt`."""
+
+    def __init__(self, model):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.data_parallel = None  # the DDP wrapper whose call prepares gradient reduction
+        core = model
+        for _ in range(16):  # wrappers nest a few deep at most
+            if _is_compiled(core):
+                core = core._orig_mod
+            elif _is_data_parallel(core):
+                if isinstance(core, nn.DataParallel):
+                    raise TypeError("torch.nn.DataParallel is not supported: use DistributedDataParallel")
+                self.data_parallel = self.data_parallel or core
+                core = core.module
+            elif _is_peft(core):
+                core = core.get_base_model()
+            else:
+                break
+        self.core = core
+        if isinstance(core, Decoder):
+            self.is_hf = False
+        elif is_hf_model(core):
+            self.is_hf = True
+            check_hf_model(core)
+        else:
+            raise unsupported_model(model)
+
+    # ------------------------------------------------------------------ parts
+
+    @property
+    def head(self) -> nn.Module:
+        """The linear map from final hidden states to vocabulary logits."""
+        return self.core.lm_head if not self.is_hf else self.core.get_output_embeddings()
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.core.embed if not self.is_hf else self.core.get_input_embeddings()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embedding.num_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.core.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's floating-point parameters (the first one found)."""
+        for p in self.core.parameters():
+            if p.dtype.is_floating_point:
+                return p.dtype
+        return torch.get_default_dtype()
+
+    @property
+    def shape(self) -> ModelShape:
+        cfg = self.core.config
+        if not self.is_hf:
+            return ModelShape(
+                "dta_ref", cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                cfg.intermediate_size, self._element_size(), False,
+            )  # fmt: skip
+        heads = cfg.num_attention_heads
+        return ModelShape(
+            model_type=cfg.model_type,
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate=cfg.intermediate_size,
+            bytes_per_element=self._element_size(),
+            qk_norm=cfg.model_type == "qwen3",
+        )
+
+    def _element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    # ------------------------------------------------------------------- runs
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """Final normalised hidden states [B, T, hidden], every attention layer done by ``attend``.
+
+        ``attend(layer_idx, q, k, v, scale)`` gets post-RoPE q [B, Hq, T, D] and
+        k, v [B, Hkv, T, D] and returns [B, Hq, T, D]. It travels with the call,
+        so a layer whose forward is recomputed under gradient checkpointing
+        calls it again: it must not depend on state that is gone by then.
+        """
+        if self.data_parallel is not None and torch.is_grad_enabled():
+            with _forward_replaced(self.data_parallel.module, self._trunk):
+                return self.data_parallel(input_ids, position_ids, attend)
+        return self._trunk(input_ids, position_ids, attend)
+
+    def _trunk(self, input_ids, position_ids, attend):
+        if self.is_hf:
+            return hf_hidden_states(self.core, input_ids, position_ids, attend)
+        return self.core.hidden_states(input_ids, position_ids, attend)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of ordinary causal sequences, the model run as its user built it."""
+        if self.is_hf:
+            return self.core(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return self.head(self.core.hidden_states(input_ids, position_ids, causal_attend))
+
+    def check_token_ids(self, tokens: torch.Tensor) -> None:
+        """Token ids must index the embedding table (else CUDA fails with a device-side assert)."""
+        if tokens.numel() and int(tokens.max()) >= self.vocab_size:
+            raise ValueError(
+                f"token id {int(tokens.max())} is out of range for a vocabulary of {self.vocab_size} tokens"
+            )
+
+
+def adapt(model) -> ModelAdapter:
+    """The :class:`ModelAdapter` of ``model`` (an adapter is returned as it is)."""
+    return model if isinstance(model, ModelAdapter) else ModelAdapter(model)
+
+
+def unsupported_model(model) -> TypeError:
+    return TypeError(
+        f"unsupported model {type(model).__name__}: expected dta_ref.Decoder or a Hugging Face "
+        "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (PEFT-, torch.compile- or DDP-wrapped too)"
+    )
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward):
+    """Make ``module(...)`` call ``forward`` for the duration (an instance attribute shadows the method)."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
