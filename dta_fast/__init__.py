@@ -11,6 +11,7 @@ from .engine import chunk_tokens_for_budget, estimated_step_bytes, tree_backward
 from .logprobs import gather_logprobs_chunked, tree_logprobs
 from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
 from .partition import CostModel, Partition, partition
+from .rollout import sample, speculative_sample
 from .tree import build_tree
 
 __all__ = [
@@ -31,4 +32,6 @@ __all__ = [
     "Partition",
     "CostModel",
     "distributed_tree_backward",
+    "sample",
+    "speculative_sample",
 ]

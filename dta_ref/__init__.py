@@ -18,6 +18,7 @@ from .losses import (
     token_weights,
 )
 from .model import Decoder, DecoderConfig
+from .rollout import Rollout, RolloutCache, sample, speculative_sample
 from .tree import PrefixTree
 
 __all__ = [
@@ -43,6 +44,10 @@ __all__ = [
     "grpo_batch",
     "agentic_batch",
     "draw_tree",
+    "sample",
+    "speculative_sample",
+    "RolloutCache",
+    "Rollout",
 ]
 
 

@@ -1,0 +1,201 @@
+"""Rollout engine: batched sampling with a KV cache, and exact speculative sampling from a tree cache.
+
+Twins of dta_ref.sample / dta_ref.speculative_sample (same signatures, same
+draws: with one generator they return the same tokens). Each step runs ONE
+forward over every unfinished sequence: its pending tokens (the prompt at the
+first step, then the token emitted last) followed by its draft tree. The
+model's trunk runs through ``hidden_states(model, ids, positions, attend)``;
+the ``attend`` closure keeps the KV cache per layer:
+
+- a buffer [B, Hkv, L, D] per layer; row b holds its ``length[b]`` cached
+  tokens at [0, length[b]), ragged across rows;
+- a step with Tq new tokens per row (padded) writes their K/V at the window
+  [W - Tq, W), W = max(length) + Tq, and attends keys [0, W): that is
+  ``tree_attention`` with a cached prefix (Tq < Tk), where ``subtree_end`` is
+  W for a row's cached tokens (every query sees them), j + 1 for the unused
+  gap between length[b] and the window (no query sees it) and the draft
+  tree's own subtree ends for the new tokens (a draft token sees its
+  ancestors only);
+- after the walk the accepted tokens' K/V move to [length[b], ...) (a few
+  vectors per row); the rejected ones are simply overwritten next step. The
+  cache itself is never copied, except to drop finished rows.
+
+On a CUDA device the attention is the Triton kernel, elsewhere dta_ref's
+explicit-mask attention on the same subtree ends. Draft sizes adapt per
+sequence (dta_ref.rollout.DraftBudget). Supported models: dta_ref.Decoder and
+Hugging Face Llama / Qwen2 / Qwen3. Inference only (no gradients).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dta_ref.attention import attention, mask_from_subtree_end
+from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, output_head
+from dta_ref.rollout import (
+    DraftTree,
+    Rollout,
+    SpeculativeRun,
+    Walk,
+    check_sampling_args,
+    check_speculative_args,
+    draw,
+    sampling_probs,
+    step_uniforms,
+)
+
+from .attention import build_schedule, tree_attention
+
+
+def _use_kernel(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class _KVEngine:
+    """Per-layer KV buffers of the unfinished sequences and one batched verify forward per step."""
+
+    def __init__(self, model, prompts: list[list[int]], capacity: int):
+        self.model, self.head = model, output_head(model)
+        self.device = model_device(model)
+        self.capacity = capacity  # buffer length per row
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, capacity, D]
+        self.values: dict[int, torch.Tensor] = {}
+        self.lengths = [0] * len(prompts)  # cached tokens per row
+        self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
+
+    def _buffer(self, layer: int, k: torch.Tensor):
+        if layer not in self.keys:  # first step: shapes and dtype come from the model's own k, v
+            B, H, _, D = k.shape
+            self.keys[layer] = k.new_zeros(B, H, self.capacity, D)  # zeros: unused slots are read, masked
+            self.values[layer] = k.new_zeros(B, H, self.capacity, D)
+        return self.keys[layer], self.values[layer]
+
+    def verify(self, drafts: list[DraftTree], uniforms, params):
+        """One forward over each row's pending tokens + draft tree; the draws at each row's decision points.
+
+        Returns per row the tokens drawn at draw 0 (after the last pending
+        token) and at each draft node, and their log-probabilities.
+        """
+        B = len(drafts)
+        P = [len(p) for p in self.pending]
+        q_len = [p + len(d) for p, d in zip(P, drafts)]
+        Tq = max(q_len)
+        W = max(self.lengths) + Tq
+        if W > self.capacity:
+            raise RuntimeError(f"KV buffer of {self.capacity} tokens is too short for a window of {W}")
+        ids = np.zeros((B, Tq), dtype=np.int64)
+        pos = np.zeros((B, Tq), dtype=np.int64)
+        ends = np.arange(1, W + 1, dtype=np.int64)[None].repeat(B, 0)  # [B, W]: unused keys seen by nobody
+        rows = []  # flat (row, local query index) of every draw
+        q0 = W - Tq
+        for b, (draft, n) in enumerate(zip(drafts, self.lengths)):
+            p = P[b]
+            ids[b, : q_len[b]] = self.pending[b] + draft.tokens
+            pos[b, :p] = np.arange(n, n + p)
+            pos[b, p : q_len[b]] = [n + p + d for d in draft.depths()]
+            ends[b, :n] = W
+            ends[b, q0 : q0 + p] = q0 + q_len[b]  # the pending chain is an ancestor of the whole draft
+            ends[b, q0 + p : q0 + q_len[b]] = [q0 + p + e for e in draft.subtree_end()]
+            rows.extend(b * Tq + t for t in range(p - 1, q_len[b]))
+        ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        pos_t = torch.from_numpy(pos).to(self.device, non_blocking=True)
+        ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if _use_kernel(self.device):
+            schedule, mask = build_schedule(ends_t.to(torch.int32), Tq, validate=False), None
+        else:
+            schedule, mask = None, mask_from_subtree_end(ends_t, torch.arange(q0, W, device=self.device))[:, None]
+
+        def attend(layer, q, k, v, scale):
+            K, V = self._buffer(layer, k)
+            K[:, :, q0:W] = k  # idempotent: a repeated call writes the same values
+            V[:, :, q0:W] = v
+            if schedule is not None:
+                return tree_attention(q, K[:, :, :W], V[:, :, :W], scale=scale, schedule=schedule)
+            return attention(q, K[:, :, :W], V[:, :, :W], mask, scale)
+
+        hidden = hidden_states(self.model, ids_t, pos_t, attend)  # [B, Tq, hidden]
+        logits = self.head(hidden.flatten(0, 1)[rows_t])  # [draws, V]
+        tokens, logp = draw(sampling_probs(logits, params), uniforms)
+        both = torch.stack([tokens.to(torch.float64), logp.to(torch.float64)]).cpu()  # one sync per step
+        tokens, logp = both[0].long().tolist(), both[1].tolist()
+        sampled, logprobs, k = [], [], 0
+        for d in drafts:
+            sampled.append(tokens[k : k + len(d) + 1])
+            logprobs.append(logp[k : k + len(d) + 1])
+            k += len(d) + 1
+        self._window = (q0, P)
+        return sampled, logprobs
+
+    def commit(self, walks: list[Walk], keep: list[bool]) -> None:
+        """Keep the pending and accepted draft tokens' K/V, drop finished rows."""
+        q0, P = self._window
+        b_idx, src, dst = [], [], []
+        for b, (w, k) in enumerate(zip(walks, keep)):
+            if not k:
+                continue
+            local = list(range(P[b])) + [P[b] + r - 1 for r in w.rows[1:]]  # pending, then accepted nodes
+            n = self.lengths[b]
+            b_idx += [b] * len(local)
+            src += [q0 + t for t in local]
+            dst += range(n, n + len(local))
+            self.lengths[b] = n + len(local)
+            self.pending[b] = [w.tokens[-1]]
+        if b_idx:
+            b_t, src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (b_idx, src, dst))
+            for layer in self.keys:
+                for buf in (self.keys[layer], self.values[layer]):
+                    buf[b_t, :, dst_t] = buf[b_t, :, src_t]  # the right side is gathered first: no aliasing
+        if not all(keep):
+            rows = [b for b, k in enumerate(keep) if k]
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            for layer in self.keys:
+                self.keys[layer] = self.keys[layer].index_select(0, rows_t)
+                self.values[layer] = self.values[layer].index_select(0, rows_t)
+            self.lengths = [self.lengths[b] for b in rows]
+            self.pending = [self.pending[b] for b in rows]
+
+
+def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens) -> Rollout:
+    device = model_device(model)
+    run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
+    longest = max(map(len, prompts))
+    engine = _KVEngine(model, prompts, longest + max_new_tokens + max(longest, max_draft_tokens + 1))
+    active = run.active()
+    while active:
+        drafts = run.drafts(active)
+        uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, device)
+        sampled, logprobs = engine.verify(drafts, uniforms, params)
+        walks = run.finish_step(active, drafts, sampled, logprobs)
+        engine.commit(walks, [not run.seqs[i].done for i in active])
+        active = run.active()
+    return run.result(logprob_dtype(next(model.parameters()).dtype))
+
+
+@torch.no_grad()
+def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0, top_k=None, top_p=None,
+                       eos_token_id=None, generator=None, max_draft_tokens=32) -> Rollout:  # fmt: skip
+    """Exact speculative sampling with draft trees from ``cache``, KV-cached and batched.
+
+    Twin of dta_ref.speculative_sample: the same arguments, the same draws.
+    Finished completions join ``cache`` as soon as they finish.
+    """
+    prompts, params = check_sampling_args(
+        model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
+    )
+    check_speculative_args(cache, max_draft_tokens)
+    return _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens)
+
+
+@torch.no_grad()
+def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
+           generator=None) -> Rollout:  # fmt: skip
+    """Plain sampling on the same engine (no drafts): the baseline speculative sampling is measured against.
+
+    Twin of dta_ref.sample: with one generator both return the same tokens.
+    """
+    prompts, params = check_sampling_args(
+        model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
+    )
+    return _generate(model, prompts, max_new_tokens, None, params, generator, 0)

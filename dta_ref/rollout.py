@@ -1,0 +1,603 @@
+"""Rollouts: plain sampling and exact speculative sampling from a per-prompt tree cache.
+
+Readable reference. :func:`sample` is plain autoregressive sampling (one
+forward over the whole context per token). :func:`speculative_sample` drafts a
+token tree per sequence from a :class:`RolloutCache` of earlier completions and
+verifies it with one tree-masked forward per step (recomputing the whole
+prefix: no KV cache here). The acceptance rule keeps the output distribution
+exactly that of :func:`sample` (docs/rollout.md):
+
+    at a draft node draw x from the target distribution; if x is a child of
+    the node move there and go on, else emit x and stop; after the deepest
+    accepted node emit one more token from its distribution.
+
+Both samplers draw their randomness the same way (one uniform per node whose
+distribution is computed, in sequence order, inverse-CDF sampling), so with an
+empty cache they return the same tokens for the same generator, and
+dta_fast's twins return the same tokens as these.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import attention, mask_from_subtree_end
+from .logprobs import check_token_ids, hidden_states, logprob_dtype, model_device, output_head
+from .tree import _as_token_list
+
+BOS = -1  # marks where a stored sequence starts, so a match may be anchored at the prompt's end
+
+
+# ------------------------------------------------------------------ results and arguments
+
+
+@dataclass
+class Rollout:
+    """What every sampler returns.
+
+    ``completions[i]``: the generated tokens of prompt i (the EOS token
+    included when sampled, nothing after it). ``logprobs[i]``: 1-D float
+    tensor, each token's log-probability under the distribution it was
+    sampled from (after temperature, top-k and top-p; 0 for greedy: a point
+    mass). ``stats``: counters (``generated_tokens``, ``verify_steps``, and for
+    speculative samplers ``drafted_tokens``, ``accepted_tokens``, ...).
+    """
+
+    completions: list[list[int]]
+    logprobs: list[torch.Tensor]
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name, value, minimum, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator):
+    """Validate the common sampler arguments; return (prompts as int lists, SamplingParams)."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of token lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: at least one prompt is needed")
+    try:
+        prompts = [_as_token_list(p, i) for i, p in enumerate(prompts)]
+    except ValueError as e:
+        raise ValueError(f"prompts: {e}") from None
+    except TypeError as e:
+        raise TypeError(f"prompts: {e}") from None
+    check_token_ids(model, torch.tensor([max(p) for p in prompts]))
+    _check_int("max_new_tokens", max_new_tokens, 0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    _check_int("top_k", top_k, 1, allow_none=True)
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+            raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    _check_int("eos_token_id", eos_token_id, 0, allow_none=True)
+    if eos_token_id is not None:
+        check_token_ids(model, torch.tensor([eos_token_id]))
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    params = SamplingParams(float(temperature), top_k, None if top_p is None else float(top_p), eos_token_id)
+    return prompts, params
+
+
+# ------------------------------------------------------------------ the sampling distribution
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from, [N, V], from logits [N, V].
+
+    Temperature, then top-k (keep the logits >= the k-th largest, ties kept),
+    then top-p (keep the most probable tokens, in a stable descending order,
+    up to and including the one whose cumulative probability reaches top_p).
+    Greedy (temperature 0) is the point mass on the first argmax.
+    """
+    logits = logits.to(logprob_dtype(logits.dtype))
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p is not None and params.top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # probability mass ranked above each token
+        keep_sorted = before < params.top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs.masked_fill(~keep, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw of one token per row of probs [N, V] with uniforms [N] in [0, 1).
+
+    Returns (tokens [N] int64, their log-probabilities [N]). ``uniforms=None``
+    takes the argmax (greedy).
+    """
+    if uniforms is None:
+        tokens = probs.argmax(-1)
+    else:
+        cdf = probs.cumsum(-1)
+        x = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+        # rounding may land past the last token of nonzero probability
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        tokens = torch.minimum(tokens, last)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+
+
+def step_uniforms(n: int, params: SamplingParams, generator, device) -> torch.Tensor | None:
+    """The uniforms for ``n`` draws of one step (None when greedy: no randomness is used)."""
+    if params.greedy:
+        return None
+    where = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=where).to(device)
+
+
+# ------------------------------------------------------------------ plain sampling
+
+
+def _context_logits(model, contexts: list[list[int]]) -> torch.Tensor:
+    """Next-token logits [N, V] after each context, every context run alone (causal)."""
+    device = model_device(model)
+    rows = []
+    for ctx in contexts:
+        ids = torch.tensor(ctx, device=device)[None]
+        pos = torch.arange(len(ctx), device=device)[None]
+        end = torch.full((len(ctx),), len(ctx), device=device)
+        mask = mask_from_subtree_end(end, pos[0])
+
+        def attend(layer, q, k, v, scale, mask=mask):
+            return attention(q, k, v, mask, scale)
+
+        rows.append(output_head(model)(hidden_states(model, ids, pos, attend)[0, -1]))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
+           generator=None) -> Rollout:  # fmt: skip
+    """Plain autoregressive sampling, one token per sequence per step (readable, recomputes the prefix).
+
+    ``prompts``: list of token lists. ``temperature=0`` is greedy. Each step
+    draws one uniform per unfinished sequence, in order, from ``generator``.
+    """
+    prompts, params = check_sampling_args(
+        model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
+    )
+    device = model_device(model)
+    out = [[] for _ in prompts]
+    lps = [[] for _ in prompts]
+    active = [i for i in range(len(prompts)) if max_new_tokens > 0]
+    steps = 0
+    while active:
+        steps += 1
+        probs = sampling_probs(_context_logits(model, [prompts[i] + out[i] for i in active]), params)
+        tokens, logp = draw(probs, step_uniforms(len(active), params, generator, device))
+        for i, t, lp in zip(active, tokens.tolist(), logp.tolist()):
+            out[i].append(t)
+            lps[i].append(lp)
+        active = [i for i in active if len(out[i]) < max_new_tokens and out[i][-1] != params.eos_token_id]
+    dtype = logprob_dtype(next(model.parameters()).dtype)
+    stats = {"generated_tokens": sum(map(len, out)), "verify_steps": steps}
+    return Rollout(out, [torch.tensor(x, dtype=dtype) for x in lps], stats)
+
+
+# ------------------------------------------------------------------ draft trees and the cache
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens in depth-first preorder hanging below the last context token.
+
+    ``parents[i]`` is the index of node i's parent, -1 for a child of the
+    context's last token. Siblings have distinct tokens (a trie).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node, 0 for a child of the context's last token."""
+        d = []
+        for p in self.parents:
+            d.append(0 if p < 0 else d[p] + 1)
+        return d
+
+    def subtree_end(self) -> list[int]:
+        """One past the last node below each node (preorder), in draft coordinates."""
+        end = list(range(1, len(self.tokens) + 1))
+        for i in range(len(self.tokens) - 1, -1, -1):
+            p = self.parents[i]
+            if p >= 0:
+                end[p] = max(end[p], end[i])
+        return end
+
+    def children(self) -> list[dict[int, int]]:
+        """``children()[r]``: token -> node index for r = 0 (the context's last token) and r = 1 + node."""
+        kids: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            kids[p + 1][t] = i
+        return kids
+
+
+@dataclass
+class Walk:
+    """The outcome of verifying one draft: tokens emitted and where each was drawn.
+
+    ``rows[k]`` is the draw that emitted ``tokens[k]``: 0 for the context's
+    last token, 1 + i for draft node i. ``accepted`` counts drafted tokens
+    among the emitted ones.
+    """
+
+    tokens: list[int]
+    rows: list[int]
+    accepted: int
+
+
+def walk(draft: DraftTree, sampled: list[int], eos_token_id: int | None) -> Walk:
+    """The exact acceptance rule: follow the draft while the token drawn at a node is one of its children.
+
+    ``sampled[r]`` is the token drawn from the target distribution at draw r
+    (0: after the context, 1 + i: after draft node i).
+    """
+    kids = draft.children()
+    tokens, rows, r = [], [], 0
+    while True:
+        x = sampled[r]
+        tokens.append(x)
+        rows.append(r)
+        child = kids[r].get(x)
+        if child is None or x == eos_token_id:
+            return Walk(tokens, rows, len(tokens) - 1)
+        r = child + 1
+
+
+@dataclass
+class DraftBudget:
+    """Per-sequence adaptive draft size: large while drafts are accepted, none while they are not.
+
+    ``accepted`` is a running mean of draft tokens accepted per step. Below
+    ``min_accepted`` the sequence stops drafting, except for a small probe
+    every ``probe_every`` steps, so a sequence whose rollouts stop repeating
+    costs (almost) no more than plain generation.
+    """
+
+    max_draft_tokens: int
+    accepted: float = 1.0
+    min_accepted: float = 0.15
+    probe_every: int = 16
+    probe_tokens: int = 4
+    idle: int = 0
+
+    def size(self) -> int:
+        if self.max_draft_tokens == 0:
+            return 0
+        if self.accepted >= self.min_accepted:
+            return min(self.max_draft_tokens, 4 + int(4 * self.accepted))
+        self.idle += 1
+        if self.idle >= self.probe_every:
+            self.idle = 0
+            return min(self.max_draft_tokens, self.probe_tokens)
+        return 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.accepted = 0.6 * self.accepted + 0.4 * accepted
+
+
+class _Store:
+    """One cache key's sequences and an index of their n-grams (by hash) for suffix matching."""
+
+    def __init__(self):
+        self.seqs: dict[int, list[int]] = {}  # id -> [BOS] + tokens
+        self.order: deque[int] = deque()
+        self.next_id = 0
+        self.num_tokens = 0
+        self.index: list[dict[int, list[tuple[int, int]]]] = []  # index[n-1][hash] -> [(id, pos after)]
+
+    def add(self, seq: list[int], max_match: int) -> None:
+        s = [BOS] + seq
+        sid = self.next_id
+        self.next_id += 1
+        self.seqs[sid] = s
+        self.order.append(sid)
+        self.num_tokens += len(seq)
+        self._index(sid, s, max_match)
+
+    def _index(self, sid, s, max_match):
+        while len(self.index) < max_match:
+            self.index.append({})
+        for end in range(1, len(s)):  # a continuation starts at s[end]
+            for n in range(1, min(max_match, end) + 1):
+                self.index[n - 1].setdefault(hash(tuple(s[end - n : end])), []).append((sid, end))
+
+    def evict_to(self, max_tokens: int, max_match: int) -> None:
+        if self.num_tokens <= max_tokens:
+            return
+        target = max_tokens * 3 // 4  # evict in bulk, then rebuild the index once
+        while self.order and self.num_tokens > target:
+            sid = self.order.popleft()
+            self.num_tokens -= len(self.seqs.pop(sid)) - 1
+        self.index = []
+        for sid in self.order:
+            self._index(sid, self.seqs[sid], max_match)
+
+
+class RolloutCache:
+    """Per-prompt tree cache of earlier completions, the draft source for speculative sampling.
+
+    ``add(prompt, completion)`` stores a completion under its prompt; a prompt
+    that extends a cached prompt (a later turn whose prompt holds an earlier
+    sample's context) is stored under that cached prompt, its extra tokens
+    becoming part of the stored sequence. ``draft(prompt, generated,
+    max_draft_tokens)`` finds the longest context (up to ``max_match`` tokens,
+    anchored at the prompt's end when short) ending the sequence so far that
+    occurs in the stored sequences, and returns the continuations seen after
+    it as a token tree, most frequent first. Memory per prompt is bounded by
+    ``max_tokens_per_prompt`` (oldest completions evicted first).
+    """
+
+    def __init__(self, max_tokens_per_prompt: int = 1 << 16, max_match: int = 12, max_sources: int = 8):
+        _check_int("max_tokens_per_prompt", max_tokens_per_prompt, 1)
+        _check_int("max_match", max_match, 1)
+        _check_int("max_sources", max_sources, 1)
+        self.max_tokens_per_prompt = max_tokens_per_prompt
+        self.max_match = max_match
+        self.max_sources = max_sources
+        self._stores: dict[tuple[int, ...], _Store] = {}
+        self._key_lengths: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._stores)
+
+    def num_tokens(self, prompt=None) -> int:
+        """Tokens stored under ``prompt``'s key, or in the whole cache."""
+        if prompt is None:
+            return sum(s.num_tokens for s in self._stores.values())
+        found = self._find(_as_token_list(prompt, 0))
+        return 0 if found is None else found[0].num_tokens
+
+    def _find(self, prompt: list[int]):
+        """(store, prompt tokens after its key) for the longest cached key that prefixes ``prompt``."""
+        for n in sorted(self._key_lengths, reverse=True):
+            if n <= len(prompt):
+                store = self._stores.get(tuple(prompt[:n]))
+                if store is not None:
+                    return store, prompt[n:]
+        return None
+
+    def add(self, prompt, completion) -> None:
+        prompt = _as_token_list(prompt, 0)
+        if isinstance(completion, torch.Tensor):
+            completion = completion.tolist()
+        completion = [] if len(completion) == 0 else _as_token_list(completion, 0)
+        found = self._find(prompt)
+        if found is None:
+            store, tail = _Store(), []
+            self._stores[tuple(prompt)] = store
+            self._key_lengths.add(len(prompt))
+        else:
+            store, tail = found
+        if tail or completion:
+            store.add(tail + completion, self.max_match)
+            store.evict_to(self.max_tokens_per_prompt, self.max_match)
+
+    def draft(self, prompt, generated, max_draft_tokens: int) -> DraftTree:
+        """A draft tree of at most ``max_draft_tokens`` tokens to follow ``prompt + generated``."""
+        found = self._find(list(prompt))
+        if found is None or max_draft_tokens <= 0:
+            return DraftTree()
+        store, tail = found
+        context = [BOS] + tail + list(generated)
+        for n in range(min(self.max_match, len(context)), 0, -1):
+            key = context[-n:]
+            hits = store.index[n - 1].get(hash(tuple(key)), []) if n <= len(store.index) else []
+            sources = []
+            for sid, pos in reversed(hits):  # most recent first
+                s = store.seqs.get(sid)
+                if s is not None and s[pos - n : pos] == key and pos < len(s):
+                    sources.append(s[pos : pos + max_draft_tokens])
+                    if len(sources) == self.max_sources:
+                        break
+            if sources:
+                return _most_frequent_tree(sources, max_draft_tokens)
+        return DraftTree()
+
+
+def _most_frequent_tree(continuations: list[list[int]], budget: int) -> DraftTree:
+    """The ``budget`` most frequent nodes of the continuations' trie (a node only with its parent)."""
+    counts: list[dict[int, list]] = [{}]  # node -> {token: [count, child node, first seen]}
+    for c in continuations:
+        node = 0
+        for t in c:
+            entry = counts[node].get(t)
+            if entry is None:
+                entry = counts[node][t] = [0, len(counts), len(counts)]
+                counts.append({})
+            entry[0] += 1
+            node = entry[1]
+    chosen: dict[int, list[int]] = {0: []}  # chosen trie node -> chosen children (trie nodes)
+    token_of = {}
+    heap = [(-e[0], e[2], 0, t, e[1]) for t, e in counts[0].items()]
+    heapq.heapify(heap)
+    while heap and len(token_of) < budget:
+        _, _, parent, t, node = heapq.heappop(heap)
+        chosen[parent].append(node)
+        chosen[node] = []
+        token_of[node] = t
+        for tt, e in counts[node].items():
+            heapq.heappush(heap, (-e[0], e[2], node, tt, e[1]))
+    rank = {node: i for i, node in enumerate(token_of)}  # selection order: most frequent first
+    tree = DraftTree()
+    stack = [(child, -1) for child in sorted(chosen[0], key=rank.get, reverse=True)]
+    while stack:
+        node, parent = stack.pop()
+        tree.tokens.append(token_of[node])
+        tree.parents.append(parent)
+        me = len(tree.tokens) - 1
+        stack.extend((child, me) for child in sorted(chosen[node], key=rank.get, reverse=True))
+    return tree
+
+
+# ------------------------------------------------------------------ speculative sampling
+
+
+def check_speculative_args(cache, max_draft_tokens):
+    if not isinstance(cache, RolloutCache):
+        raise TypeError(f"cache must be a dta_ref.RolloutCache, got {type(cache).__name__}")
+    _check_int("max_draft_tokens", max_draft_tokens, 0)
+
+
+@dataclass
+class _Sequence:
+    """One prompt's state during speculative sampling (shared by the reference and the fast engine)."""
+
+    prompt: list[int]
+    budget: DraftBudget
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+class SpeculativeRun:
+    """The step loop both speculative samplers share: drafts, uniforms, the walk, the cache updates.
+
+    An engine supplies ``verify(active, drafts) -> (sampled, logprobs)``: for
+    each active sequence, the tokens drawn at draw 0 (after its context) and
+    at each draft node, from this step's uniforms.
+    """
+
+    def __init__(self, prompts, max_new_tokens, cache, params, max_draft_tokens):
+        self.seqs = [_Sequence(p, DraftBudget(max_draft_tokens)) for p in prompts]
+        self.max_new_tokens, self.cache, self.params = max_new_tokens, cache, params
+        self.stats = {"generated_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0, "verify_steps": 0,
+                      "sequence_steps": 0}  # fmt: skip
+        if max_new_tokens == 0:
+            for s in self.seqs:
+                s.done = True
+
+    def active(self) -> list[int]:
+        return [i for i, s in enumerate(self.seqs) if not s.done]
+
+    def drafts(self, active: list[int]) -> list[DraftTree]:
+        out = []
+        for i in active:
+            s = self.seqs[i]
+            size = min(s.budget.size(), self.max_new_tokens - len(s.tokens) - 1)
+            out.append(self.cache.draft(s.prompt, s.tokens, size) if size > 0 else DraftTree())
+        return out
+
+    def finish_step(self, active, drafts, sampled: list[list[int]], logprobs: list[list[float]]) -> list[Walk]:
+        """Walk each draft, append the emitted tokens, and add finished completions to the cache."""
+        self.stats["verify_steps"] += 1
+        walks = []
+        for i, draft, smp, lp in zip(active, drafts, sampled, logprobs):
+            s = self.seqs[i]
+            w = walk(draft, smp, self.params.eos_token_id)
+            room = self.max_new_tokens - len(s.tokens)
+            w = Walk(w.tokens[:room], w.rows[:room], min(w.accepted, room))
+            s.tokens += w.tokens
+            s.logprobs += [lp[r] for r in w.rows]
+            s.budget.update(len(draft), w.accepted)
+            self.stats["drafted_tokens"] += len(draft)
+            self.stats["accepted_tokens"] += w.accepted
+            self.stats["generated_tokens"] += len(w.tokens)
+            self.stats["sequence_steps"] += 1
+            walks.append(w)
+            if len(s.tokens) >= self.max_new_tokens or s.tokens[-1] == self.params.eos_token_id:
+                s.done = True
+        for i in active:  # after the step: a finished sibling drafts for the rest of its group
+            if self.seqs[i].done and self.cache is not None:
+                self.cache.add(self.seqs[i].prompt, self.seqs[i].tokens)
+        return walks
+
+    def result(self, dtype) -> Rollout:
+        return Rollout(
+            [s.tokens for s in self.seqs],
+            [torch.tensor(s.logprobs, dtype=dtype) for s in self.seqs],
+            dict(self.stats),
+        )
+
+
+def tree_inputs(context_len: int, draft: DraftTree):
+    """Positions and subtree ends of the draft nodes appended after a context of ``context_len`` tokens."""
+    positions = [context_len + d for d in draft.depths()]
+    ends = [context_len + e for e in draft.subtree_end()]
+    return positions, ends
+
+
+@torch.no_grad()
+def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0, top_k=None, top_p=None,
+                       eos_token_id=None, generator=None, max_draft_tokens=32) -> Rollout:  # fmt: skip
+    """Exact speculative sampling with draft trees from ``cache`` (readable: recomputes the whole prefix).
+
+    Same output distribution as :func:`sample`; each step verifies every
+    sequence's draft tree with one tree-masked forward over its context plus
+    the tree, and finished completions join ``cache`` as soon as they finish.
+    """
+    prompts, params = check_sampling_args(
+        model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
+    )
+    check_speculative_args(cache, max_draft_tokens)
+    device = model_device(model)
+    head = output_head(model)
+    run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
+    while active := run.active():
+        drafts = run.drafts(active)
+        uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, device)
+        sampled, logprobs, offset = [], [], 0
+        for i, draft in zip(active, drafts):
+            context = run.seqs[i].prompt + run.seqs[i].tokens
+            positions, ends = tree_inputs(len(context), draft)
+            T = len(context) + len(draft)
+            ids = torch.tensor(context + draft.tokens, device=device)[None]
+            pos = torch.tensor(list(range(len(context))) + positions, device=device)
+            end = torch.tensor([T] * len(context) + ends, device=device)
+            mask = mask_from_subtree_end(end, torch.arange(T, device=device))
+
+            def attend(layer, q, k, v, scale, mask=mask):
+                return attention(q, k, v, mask, scale)
+
+            hidden = hidden_states(model, ids, pos[None], attend)[0, len(context) - 1 :]  # draws 0..len(draft)
+            probs = sampling_probs(head(hidden), params)
+            n = len(draft) + 1
+            tokens, logp = draw(probs, None if uniforms is None else uniforms[offset : offset + n])
+            offset += n
+            sampled.append(tokens.tolist())
+            logprobs.append(logp.tolist())
+        run.finish_step(active, drafts, sampled, logprobs)
+    return run.result(logprob_dtype(next(model.parameters()).dtype))
