@@ -8,7 +8,7 @@ from dta_ref.losses import PolicyGradientLoss, SFTLoss, TokenLoss
 
 from .distributed import distributed_tree_backward
 from .engine import chunk_tokens_for_budget, estimated_step_bytes, tree_backward
-from .logprobs import gather_logprobs_chunked, tree_logprobs
+from .logprobs import gather_logprobs_chunked, tree_logprobs, tree_logprobs_and_entropy
 from .attention import TreeSchedule, build_schedule, tree_attention, validate_subtree_end
 from .partition import CostModel, Partition, partition
 from .rollout import sample, speculative_sample
@@ -21,6 +21,7 @@ __all__ = [
     "TreeSchedule",
     "validate_subtree_end",
     "tree_logprobs",
+    "tree_logprobs_and_entropy",
     "gather_logprobs_chunked",
     "tree_backward",
     "chunk_tokens_for_budget",

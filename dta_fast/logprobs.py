@@ -14,7 +14,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dta_ref.adapter import adapt
-from dta_ref.logprobs import logprob_dtype, next_token_targets
+from dta_ref.logprobs import (
+    LogprobsAndEntropy,
+    check_temperature,
+    entropy_of,
+    logprob_dtype,
+    next_token_targets,
+    scaled_log_softmax,
+)
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
@@ -45,14 +52,17 @@ class LogprobPairs:
         return slice(bounds[0], bounds[1])
 
 
-def _window_logprobs(hidden, head, local_rows, targets):
-    logits = head(hidden)  # [rows, V]
-    logp = torch.log_softmax(logits.to(logprob_dtype(logits.dtype)), dim=-1)
-    return logp[local_rows, targets]
+def _window_logprobs(hidden, head, local_rows, targets, temperature, entropy):
+    logp = scaled_log_softmax(head(hidden), temperature)  # [rows, V]
+    picked = logp[local_rows, targets]
+    return torch.stack([picked, entropy_of(logp)[local_rows]]) if entropy else picked
 
 
-def rows_logprobs(hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch.Tensor, chunk_rows=None):
-    """log p(targets[p] | hidden[rows[p]]) for ``rows`` sorted ascending.
+def rows_logprobs(
+    hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch.Tensor, chunk_rows=None,
+    temperature: float = 1.0, entropy: bool = False,
+):  # fmt: skip
+    """log p(targets[p] | hidden[rows[p]]) for ``rows`` sorted ascending ([2, P] with entropies, with ``entropy``).
 
     Every row's logits are computed once, however many (sequence, step) pairs
     read it (at a branch point several do), in windows of ``chunk_rows`` rows
@@ -60,7 +70,7 @@ def rows_logprobs(hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch
     """
     dtype = logprob_dtype(hidden.dtype)
     if rows.numel() == 0:
-        return hidden.new_zeros(0, dtype=dtype)
+        return hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
     T = hidden.shape[0]
     if chunk_rows is None:
         chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
@@ -73,28 +83,37 @@ def rows_logprobs(hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch
         if lo == hi:
             continue
         r0, r1 = bounds[c], bounds[c + 1]
-        args = (hidden[r0:r1], head, rows[lo:hi] - r0, targets[lo:hi])
+        args = (hidden[r0:r1], head, rows[lo:hi] - r0, targets[lo:hi], temperature, entropy)
         if torch.is_grad_enabled() and hidden.requires_grad:
             pieces.append(checkpoint(_window_logprobs, *args, use_reentrant=False))
         else:
             pieces.append(_window_logprobs(*args))
-    return torch.cat(pieces).to(dtype)
+    return torch.cat(pieces, dim=-1).to(dtype)
 
 
-def gather_logprobs_chunked(hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None):
-    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows."""
+def gather_logprobs_chunked(
+    hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None,
+    temperature: float = 1.0, entropy: bool = False,
+):  # fmt: skip
+    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows.
+
+    With ``entropy``, a :class:`dta_ref.logprobs.LogprobsAndEntropy` of both.
+    """
     pairs = LogprobPairs.of(tree)
-    values = rows_logprobs(hidden, head, pairs.rows, pairs.targets, chunk_rows)
-    out = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=logprob_dtype(hidden.dtype), device=hidden.device)
-    if values.numel():
-        out = out.index_put((pairs.seq, pairs.step), values)
-    else:  # no next-token logprob at all: still return a tensor attached to the graph, as dta_ref does
-        out = out + 0.0 * hidden.sum()
-    return out
+    values = rows_logprobs(hidden, head, pairs.rows, pairs.targets, chunk_rows, temperature, entropy)
+    values = values if entropy else values[None]
+    out = []
+    for v in values:
+        padded = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=v.dtype, device=hidden.device)
+        if v.numel():
+            padded = padded.index_put((pairs.seq, pairs.step), v)
+        else:  # no next-token logprob at all: still return a tensor attached to the graph, as dta_ref does
+            padded = padded + 0.0 * hidden.sum()
+        out.append(padded)
+    return LogprobsAndEntropy(*out) if entropy else out[0]
 
 
-def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
-    """Logprobs of every rollout [N, Lmax-1] from one packed forward with the Triton tree kernel."""
+def _packed_hidden(model, tree: PrefixTree):
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     adapter = adapt(model)
@@ -105,5 +124,18 @@ def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
     def attend(layer_idx, q, k, v, scale):
         return tree_attention(q, k, v, scale=scale, schedule=schedule)
 
-    hidden = adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0]
-    return gather_logprobs_chunked(hidden, adapter.head, tree)
+    return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
+
+
+def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs of every rollout [N, Lmax-1] from one packed forward with the Triton tree kernel."""
+    temperature = check_temperature(temperature)
+    hidden, head, tree = _packed_hidden(model, tree)
+    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature)
+
+
+def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0) -> LogprobsAndEntropy:
+    """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
+    temperature = check_temperature(temperature)
+    hidden, head, tree = _packed_hidden(model, tree)
+    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True)

@@ -7,7 +7,14 @@ Triton. It is the ground truth that every dta_fast op is tested against.
 from .adapter import ModelAdapter, adapt
 from .attention import attention, mask_from_subtree_end, tree_attention_mask
 from .batches import agentic_batch, grpo_batch
-from .logprobs import flat_logprobs, gather_tree_logprobs, next_token_targets, tree_logprobs
+from .logprobs import (
+    LogprobsAndEntropy,
+    flat_logprobs,
+    gather_tree_logprobs,
+    next_token_targets,
+    tree_logprobs,
+    tree_logprobs_and_entropy,
+)
 from .losses import (
     PolicyGradientLoss,
     SFTLoss,
@@ -32,6 +39,8 @@ __all__ = [
     "DecoderConfig",
     "flat_logprobs",
     "tree_logprobs",
+    "tree_logprobs_and_entropy",
+    "LogprobsAndEntropy",
     "gather_tree_logprobs",
     "next_token_targets",
     "policy_gradient_loss",

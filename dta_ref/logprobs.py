@@ -9,6 +9,8 @@ position; autograd then sums the gradients of shared positions exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,9 @@ def logprob_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[..., target] for logits [..., V] and targets [...]."""
-    logits = logits.to(logprob_dtype(logits.dtype))
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[..., target] for logits [..., V] and targets [...]."""
+    return scaled_log_softmax(logits, temperature).gather(-1, targets[..., None]).squeeze(-1)
 
 
 def next_token_targets(tree: PrefixTree):
@@ -42,17 +43,44 @@ def next_token_targets(tree: PrefixTree):
     return rows, targets, valid
 
 
-def gather_tree_logprobs(hidden: torch.Tensor, head, tree: PrefixTree) -> torch.Tensor:
-    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden]."""
+@dataclass
+class LogprobsAndEntropy:
+    """Per-sequence next-token logprobs and the entropy of each next-token distribution, both [N, Lmax-1]."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (temperature > 0 and np.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    return float(temperature)
+
+
+def scaled_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) over the last dimension, in :func:`logprob_dtype`."""
+    logits = logits.to(logprob_dtype(logits.dtype))
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+
+
+def entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distributions whose log-probabilities are ``logp`` [..., V]."""
+    return -(logp.exp() * logp).sum(-1)
+
+
+def gather_tree_logprobs(hidden: torch.Tensor, head, tree: PrefixTree, temperature: float = 1.0, entropy=False):
+    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden] (and entropies, with ``entropy``)."""
     rows, targets, valid = next_token_targets(tree)
-    logits = head(hidden)  # [T, V]
-    logp = torch.log_softmax(logits.to(logprob_dtype(logits.dtype)), dim=-1)
-    out = logp[rows, targets]
-    return out.masked_fill(~valid, 0.0)
+    logp = scaled_log_softmax(head(hidden), temperature)  # [T, V]
+    out = logp[rows, targets].masked_fill(~valid, 0.0)
+    if not entropy:
+        return out
+    return LogprobsAndEntropy(out, entropy_of(logp)[rows].masked_fill(~valid, 0.0))
 
 
-def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
-    """Logprobs of every rollout from one packed forward over the tree (explicit mask)."""
+def _packed_hidden(model, tree: PrefixTree):
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     adapter = adapt(model)
@@ -63,11 +91,28 @@ def tree_logprobs(model, tree: PrefixTree) -> torch.Tensor:
     def attend(layer_idx, q, k, v, scale):
         return attention(q, k, v, mask, scale)
 
-    hidden = adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0]
-    return gather_tree_logprobs(hidden, adapter.head, tree)
+    return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
 
 
-def flat_logprobs(model, sequences) -> torch.Tensor:
+def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs of every rollout from one packed forward over the tree (explicit mask).
+
+    ``temperature`` divides the logits first, as an RL trainer scoring its
+    samples at the sampling temperature does.
+    """
+    temperature = check_temperature(temperature)
+    hidden, head, tree = _packed_hidden(model, tree)
+    return gather_tree_logprobs(hidden, head, tree, temperature)
+
+
+def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0) -> LogprobsAndEntropy:
+    """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
+    temperature = check_temperature(temperature)
+    hidden, head, tree = _packed_hidden(model, tree)
+    return gather_tree_logprobs(hidden, head, tree, temperature, entropy=True)
+
+
+def flat_logprobs(model, sequences, *, temperature: float = 1.0) -> torch.Tensor:
     """Logprobs of every rollout, each run alone as an ordinary causal sequence (ground truth).
 
     A Hugging Face model runs exactly as its user built it (its own attention
@@ -81,6 +126,7 @@ def flat_logprobs(model, sequences) -> torch.Tensor:
         raise TypeError(f"sequences must be a list of token sequences, got {type(sequences).__name__}")
     if len(sequences) == 0:
         raise ValueError("empty batch: at least one sequence is needed")
+    temperature = check_temperature(temperature)
     adapter = adapt(model)
     seqs = [_as_token_list(s, i) for i, s in enumerate(sequences)]
     adapter.check_token_ids(torch.tensor([max(s) for s in seqs]))
@@ -91,7 +137,7 @@ def flat_logprobs(model, sequences) -> torch.Tensor:
         ids = torch.tensor(s, device=device)[None]
         positions = torch.arange(len(s), device=device)[None]
         logits = adapter.logits(ids, positions)[0]
-        lp = token_logprobs(logits[:-1], ids[0, 1:])
+        lp = token_logprobs(logits[:-1], ids[0, 1:], temperature)
         rows.append(F.pad(lp, (0, width - lp.shape[0])))
     return torch.stack(rows)
 
