@@ -1,35 +1,33 @@
 """Depth-first chunked execution: exact gradients with memory bounded by the path.
 
-The preorder forest is cut into chunks of at most ``max_chunk_tokens``
-consecutive packed tokens, visited in order (depth-first). The keys that a
-chunk [a, b) attends outside itself are exactly the ancestors of its first
-token a (docs/chunked_execution.md), so per layer we keep the K/V of the
-chunks that still have unfinished descendants (a stack) and give a chunk its
-ancestors' K/V as a cached prefix (``tree_attention`` with Tq < Tk).
+The preorder forest is cut into chunks of consecutive packed tokens, visited
+in order (depth-first). A chunk's keys outside itself are exactly the
+ancestors of its first token, which live in the chunks still *open* (with
+unfinished descendants); a chunk closes when all of them are done: its
+backward runs, seeded by its loss terms and by the dK/dV its descendants left
+on its K/V. docs/chunked_execution.md derives all of it.
 
-A chunk is *open* from its forward until every chunk holding a descendant of
-its tokens has run its backward; then it *closes*: its backward runs, seeded
-with the loss on its own logprobs and with the dK/dV its descendants left on
-its K/V, and it adds its own prefix dK/dV onto the chunks below it. Closing
-is last-in first-out, so every gradient a chunk needs has arrived when it
-closes. With ``recompute`` a chunk keeps only its K/V while open and redoes
-its forward at close (memory ~ path K/V + one chunk's activations), unless
-it holds all its descendants and so closes before any other forward: that
-one keeps its graph. Without ``recompute`` every chunk keeps its autograd
-graph (no second forward, memory ~ the open chunks' activations).
+Three parts, read in order:
 
-The loss is a sum of per-sequence terms ``loss_fn(i, logprobs_i)``. A
-:class:`dta_ref.losses.TokenLoss` (the clipped policy-gradient and SFT
-adapters) is a sum of per-token terms, so each chunk backpropagates its own
-tokens' terms directly. Any other ``loss_fn`` is linearised exactly: a first
-forward pass computes every logprob, autograd gives d loss / d logprob per
-token, and the chunked pass backpropagates ``sum(g * logprob)``, which has
-the same parameter gradient.
+- :class:`ChunkPlan` (:func:`plan_chunks`): the chunking of a forest and
+  every per-chunk fact, built once per step with array operations: each
+  chunk's bounds and subtree end, the order of forwards and closes, the
+  pieces of open chunks that form its cached prefix, its logprob span, and
+  what is alive at its worst moment, which :class:`MemoryModel` turns into
+  :func:`estimated_step_bytes`.
+- :class:`_Engine`: a loop over the plan's steps. Attention reaches the
+  stored K/V through two autograd Functions (:class:`_SeedOwnKV`,
+  :class:`_GatherPrefix`) that read and write the chunks' gradient
+  accumulators when autograd runs them, so the engine stays exact when a
+  layer's forward runs twice (gradient checkpointing).
+- :func:`tree_backward`: checks its arguments, picks the plan (given chunk
+  size, memory budget, or on CUDA the device's free memory), runs the loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,153 +46,235 @@ from dta_ref.tree import PrefixTree
 from .attention import build_schedule, tree_attention
 from .logprobs import LOGITS_CHUNK_ELEMENTS, LogprobPairs, rows_logprobs
 
+# ------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class _Forest:
+    """The size-independent arrays of a forest that planning reads (CPU, int64)."""
+
+    end: np.ndarray  # [T] subtree_end
+    depth: np.ndarray  # [T] position_ids: the number of ancestors
+    parent: np.ndarray  # [T] -1 at a root
+    run_start: np.ndarray  # [T] first token of the parent-child chain ending at i
+
+    @classmethod
+    def of(cls, tree: PrefixTree) -> "_Forest":
+        parent = tree.parent.cpu().numpy().astype(np.int64, copy=False)
+        index = np.arange(parent.size, dtype=np.int64)
+        chain_break = parent != index - 1
+        if parent.size:
+            chain_break[0] = True
+        run_start = np.maximum.accumulate(np.where(chain_break, index, 0)) if parent.size else index
+        return cls(
+            tree.subtree_end.cpu().numpy().astype(np.int64, copy=False),
+            tree.position_ids.cpu().numpy().astype(np.int64, copy=False),
+            parent,
+            run_start,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.end.size)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One move of the engine: run chunk ``chunk``'s forward, or close it (its backward)."""
+
+    chunk: int
+    forward: bool
+
+
+@dataclass(frozen=True)
+class PrefixPiece:
+    """Tokens ``[lo, hi)`` of open chunk ``owner`` (chunk-local positions): part of a cached prefix."""
+
+    owner: int
+    lo: int
+    hi: int
+
 
 @dataclass
-class _Chunk:
-    start: int
-    stop: int
-    max_end: int  # one past the last token below any of its tokens
-    keys: list = field(default_factory=list)  # per layer [1, Hkv, n, D], detached
-    values: list = field(default_factory=list)
-    dkeys: list = field(default_factory=list)  # per layer float32 accumulators, or None
-    dvalues: list = field(default_factory=list)
-    graph: dict | None = None  # kept autograd state when not recomputing
+class ChunkPlan:
+    """The chunking of one forest and every per-chunk fact the engine and the estimate read.
+
+    Arrays are indexed by chunk, in forward order. ``held`` and ``saved`` are
+    taken right after the chunk's forward, when the open chunks are the
+    chunk and everything under it; that is also the state when it closes.
+    """
+
+    size: int  # the chunk-size limit it was built with
+    recompute: bool
+    start: np.ndarray  # [C] first packed token
+    stop: np.ndarray  # [C] one past the last
+    max_end: np.ndarray  # [C] one past the last token below any of its tokens
+    prefix_tokens: np.ndarray  # [C] cached prefix length: the ancestors of its first token
+    held: np.ndarray  # [C] tokens of the open chunks, its own included
+    saved: np.ndarray  # [C] prefix tokens of the open chunks, its own included
+    keeps_graph: np.ndarray  # [C] bool: its forward keeps the autograd graph until it closes
+    steps: list[Step]  # forwards and closes, in order
+    piece_ptr: np.ndarray  # [C + 1] chunk c's prefix pieces are piece_*[piece_ptr[c]:piece_ptr[c + 1]]
+    piece_owner: np.ndarray
+    piece_lo: np.ndarray
+    piece_hi: np.ndarray
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.start.size)
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start, stop) of every chunk."""
+        return list(zip(self.start.tolist(), self.stop.tolist()))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.stop - self.start
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Tokens whose forward runs twice: those of chunks that stay open across others."""
+        return int(self.lengths[~self.keeps_graph].sum())
+
+    def prefix(self, c: int) -> list[PrefixPiece]:
+        """Chunk ``c``'s cached prefix, ancestors in packed order."""
+        lo, hi = self.piece_ptr[c], self.piece_ptr[c + 1]
+        return [
+            PrefixPiece(o, a, b)
+            for o, a, b in zip(
+                self.piece_owner[lo:hi].tolist(), self.piece_lo[lo:hi].tolist(), self.piece_hi[lo:hi].tolist()
+            )
+        ]
 
 
-class _Engine:
-    def __init__(self, model, tree, attention_impl, recompute):
-        self.model, self.tree = model, tree
-        self.head = output_head(model)
-        self.subtree_end = tree.subtree_end
-        self.pairs = LogprobPairs.of(tree)
-        self.attention_impl = attention_impl
-        self.recompute = recompute
+def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False) -> ChunkPlan:
+    """Chunks of at most ``size`` tokens and their facts (docs/chunked_execution.md, "Where chunks stop").
 
-    # ---------------------------------------------------------------- forward
+    A chunk runs on while its tokens' subtrees stay within the ``max_end``
+    of the open chunk under it, so open chunks never hold older ones open
+    longer than their own tokens need. With ``recompute``, chunks that stay
+    open pay a second forward, so chunk ends move where that costs least
+    (:func:`_recompute_friendly_length`).
+    """
+    forest = tree if isinstance(tree, _Forest) else _Forest.of(tree)
+    bounds, stack_facts, steps = _chunk_bounds(forest, size, recompute)
+    start, stop, max_end = (np.array(x, dtype=np.int64).reshape(-1) for x in bounds)
+    held, saved = (np.array(x, dtype=np.int64).reshape(-1) for x in stack_facts)
+    piece_ptr, owner, lo, hi = _prefix_pieces(forest, start, stop)
+    return ChunkPlan(
+        size=size,
+        recompute=recompute,
+        start=start,
+        stop=stop,
+        max_end=max_end,
+        prefix_tokens=forest.depth[start] if start.size else start,
+        held=held,
+        saved=saved,
+        keeps_graph=(max_end <= stop) | (not recompute),
+        steps=steps,
+        piece_ptr=piece_ptr,
+        piece_owner=owner,
+        piece_lo=lo,
+        piece_hi=hi,
+    )
 
-    def forward_chunk(self, chunk: _Chunk, below: list[_Chunk], grad: bool):
-        """Run one chunk with its ancestors' K/V as prefix.
 
-        Returns the logprobs of its (sequence, step) pairs and their span, its
-        per-layer K/V, the prefix K/V leaves (with ``grad``) and which tokens
-        of which open chunks the prefix holds.
-        """
-        a, b = chunk.start, chunk.stop
-        end = self.subtree_end
-        # the ancestors of token a: tokens of open chunks whose subtree reaches past a
-        selections = [(c, (end[c.start : c.stop] > a).nonzero().squeeze(1)) for c in below]
-        selections = [(c, sel) for c, sel in selections if sel.numel()]
-        prefix_pos = [c.start + sel for c, sel in selections]
-        prefix_pos = torch.cat(prefix_pos) if prefix_pos else end.new_zeros(0)
-        P = prefix_pos.numel()
-        key_end = torch.cat([end[prefix_pos], end[a:b]]).clamp(max=b) - a + P  # local key coordinates
+_plan = plan_chunks  # benchmarks/tune_attention.py imports it under this name
 
-        prefix_leaves: list = []
-        if self.attention_impl == "kernel":
-            schedule = build_schedule(key_end, b - a, validate=False)
-        else:
-            mask = mask_from_subtree_end(key_end, torch.arange(P, P + b - a, device=key_end.device))
-        chunk_k: dict[int, torch.Tensor] = {}
-        chunk_v: dict[int, torch.Tensor] = {}
 
-        def attend(layer, q, k, v, scale):
-            if selections:
-                pk = torch.cat([c.keys[layer][:, :, sel] for c, sel in selections], dim=2)
-                pv = torch.cat([c.values[layer][:, :, sel] for c, sel in selections], dim=2)
-                if grad:
-                    pk, pv = pk.requires_grad_(True), pv.requires_grad_(True)
-                    prefix_leaves.append((layer, pk, pv))
-                k_all, v_all = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
-            else:
-                k_all, v_all = k, v
-            chunk_k[layer], chunk_v[layer] = k, v
-            if self.attention_impl == "kernel":
-                return tree_attention(q, k_all, v_all, scale=scale, schedule=schedule)
-            return attention(q, k_all, v_all, mask, scale)
+def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
+    """The chunk bounds, the open-stack facts and the steps: one pass, one short loop per chunk."""
+    end, depth, T = forest.end, forest.depth, forest.num_tokens
+    starts, stops, max_ends, helds, saveds, steps = [], [], [], [], [], []
+    stack: list[int] = []  # open chunks
+    held = saved = a = 0
+    while a < T:
+        while stack and max_ends[stack[-1]] <= a:
+            done = stack.pop()
+            held, saved = held - (stops[done] - starts[done]), saved - int(depth[starts[done]])
+            steps.append(Step(done, forward=False))
+        limit = max_ends[stack[-1]] if stack else T
+        window = end[a : a + size]
+        # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
+        first_over = int((window > limit).argmax())
+        n = first_over if window[first_over] > limit else window.size
+        if recompute and a + n < T:
+            n = _recompute_friendly_length(end, a, n)
+        b = a + n
+        c = len(starts)
+        starts.append(a), stops.append(b), max_ends.append(int(end[a:b].max()))
+        held, saved = held + n, saved + int(depth[a])
+        helds.append(held), saveds.append(saved)
+        stack.append(c)
+        steps.append(Step(c, forward=True))
+        a = b
+    steps.extend(Step(done, forward=False) for done in reversed(stack))
+    return (starts, stops, max_ends), (helds, saveds), steps
 
-        with torch.set_grad_enabled(grad):
-            ids = self.tree.tokens[a:b][None]
-            hidden = hidden_states(self.model, ids, self.tree.position_ids[a:b][None], attend)[0]
-            span = self.pairs.span(a, b)
-            logprobs = rows_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
-        layers = sorted(chunk_k)
-        ks, vs = [chunk_k[i] for i in layers], [chunk_v[i] for i in layers]
-        return logprobs, span, ks, vs, prefix_leaves, selections
 
-    # --------------------------------------------------------------- backward
+def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
+    """Length, at most ``n``, of a chunk starting at ``a`` in recompute mode.
 
-    def close(self, chunk: _Chunk, below: list[_Chunk], seed):
-        """Backward of a chunk whose descendants are all done."""
-        if chunk.graph is None:
-            logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, below, grad=True)
-        else:
-            g = chunk.graph
-            logprobs, span, ks, vs, leaves, selections = (
-                g["logprobs"], g["span"], g["ks"], g["vs"], g["leaves"], g["selections"],
-            )  # fmt: skip
-            chunk.graph = None
-        tensors, grads = [], []
-        if logprobs.numel() and logprobs.requires_grad:
-            tensors.append(seed(span, logprobs))
-            grads.append(torch.ones_like(tensors[-1]))
-        for outs, accs in ((ks, chunk.dkeys), (vs, chunk.dvalues)):
-            for out, acc in zip(outs, accs):
-                if acc is not None and out.requires_grad:
-                    tensors.append(out)
-                    grads.append(acc.to(out.dtype))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        # pass the prefix gradients down to the chunks that own those keys
-        for layer, pk, pv in leaves:
-            offset = 0
-            for c, sel in selections:
-                n = sel.numel()
-                for grad_full, accs, store in ((pk.grad, c.dkeys, c.keys), (pv.grad, c.dvalues, c.values)):
-                    if grad_full is None:
-                        continue
-                    if accs[layer] is None:  # at least float32, whatever the model's precision
-                        acc_dtype = torch.promote_types(store[layer].dtype, torch.float32)
-                        accs[layer] = torch.zeros(store[layer].shape, dtype=acc_dtype, device=store[layer].device)
-                    accs[layer].index_add_(2, sel, grad_full[:, :, offset : offset + n].to(accs[layer].dtype))
-                offset += n
-        chunk.keys = chunk.values = chunk.dkeys = chunk.dvalues = []  # free
+    Back to the last point where the chunk would close at once (all its
+    descendants inside) if that keeps at least half of it; else, when it
+    starts with tokens whose subtrees run past it (a shared prompt), to just
+    after the deepest branch point among them, so that mostly shared
+    prefixes stay open and are recomputed.
+    """
+    ends = end[a : a + n]
+    closes_at_once = np.flatnonzero(np.maximum.accumulate(ends) <= a + 1 + np.arange(n))
+    close = int(closes_at_once[-1]) + 1 if closes_at_once.size else 0
+    if 2 * close >= n:
+        return close
+    inside = np.flatnonzero(ends <= a + n)
+    run = int(inside[0]) if inside.size else n  # leading tokens whose subtrees run past the chunk
+    if run == 0:
+        return close or n
+    t = np.arange(a, a + run)
+    branching = np.flatnonzero(end[np.minimum(t + 1, len(end) - 1)] < end[t])
+    return int(branching[-1]) + 1 if branching.size else run
 
-    def run(self, chunks: list[tuple[int, int]], seed, out_logprobs):
-        open_chunks: list[_Chunk] = []
-        end = self.subtree_end
-        for a, b in chunks:
-            while open_chunks and open_chunks[-1].max_end <= a:
-                done = open_chunks.pop()
-                self.close(done, open_chunks, seed)
-            chunk = _Chunk(a, b, int(end[a:b].max()))
-            # a chunk holding all its descendants closes before the next forward: keeping its graph
-            # costs no more memory than recomputing it would, and saves the second forward
-            keep_graph = not self.recompute or chunk.max_end <= b
-            logprobs, span, ks, vs, leaves, selections = self.forward_chunk(chunk, open_chunks, grad=keep_graph)
-            out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.detach().to(out_logprobs.dtype)
-            chunk.keys = [k.detach() for k in ks]
-            chunk.values = [v.detach() for v in vs]
-            chunk.dkeys = [None] * len(ks)
-            chunk.dvalues = [None] * len(vs)
-            if keep_graph:
-                chunk.graph = dict(logprobs=logprobs, span=span, ks=ks, vs=vs, leaves=leaves, selections=selections)
-            open_chunks.append(chunk)
-        while open_chunks:
-            done = open_chunks.pop()
-            self.close(done, open_chunks, seed)
 
-    def forward_only(self, chunks, out_logprobs):
-        """Every logprob, no gradients: the first pass for a loss that is not a TokenLoss."""
-        open_chunks: list[_Chunk] = []
-        end = self.subtree_end
-        for a, b in chunks:
-            while open_chunks and open_chunks[-1].max_end <= a:
-                open_chunks.pop()
-            chunk = _Chunk(a, b, int(end[a:b].max()))
-            logprobs, span, ks, vs, _, _ = self.forward_chunk(chunk, open_chunks, grad=False)
-            out_logprobs[self.pairs.seq[span], self.pairs.step[span]] = logprobs.to(out_logprobs.dtype)
-            chunk.keys, chunk.values = ks, vs
-            open_chunks.append(chunk)
+def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):
+    """Every chunk's cached prefix as pieces of open chunks, for all chunks at once.
+
+    The ancestors of a token form a few runs of consecutive packed positions
+    (a chain of first children is consecutive in preorder); walk up run by
+    run for every chunk start together, then cut the runs at chunk bounds.
+    """
+    C = start.size
+    chunk_of, run_lo, run_hi = [], [], []
+    active = np.flatnonzero(forest.parent[start] >= 0) if C else np.zeros(0, dtype=np.int64)
+    cur = forest.parent[start[active]]  # deepest ancestor not yet taken
+    while active.size:
+        lo = forest.run_start[cur]
+        chunk_of.append(active), run_lo.append(lo), run_hi.append(cur + 1)
+        cur = forest.parent[lo]
+        more = cur >= 0
+        active, cur = active[more], cur[more]
+    if not chunk_of:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros(C + 1, dtype=np.int64), empty, empty, empty
+    chunk_of, run_lo, run_hi = np.concatenate(chunk_of), np.concatenate(run_lo), np.concatenate(run_hi)
+    first = np.searchsorted(stop, run_lo, side="right")  # chunk holding each run's first token
+    last = np.searchsorted(stop, run_hi - 1, side="right")
+    count = last - first + 1
+    run = np.repeat(np.arange(count.size), count)
+    owner = first[run] + np.arange(run.size) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(run_lo[run], start[owner])
+    hi = np.minimum(run_hi[run], stop[owner])
+    order = np.lexsort((lo, chunk_of[run]))  # by chunk, then packed order
+    chunk, owner, lo, hi = chunk_of[run][order], owner[order], lo[order], hi[order]
+    ptr = np.zeros(C + 1, dtype=np.int64)
+    np.cumsum(np.bincount(chunk, minlength=C), out=ptr[1:])
+    return ptr, owner, lo - start[owner], hi - start[owner]
+
+
+# ----------------------------------------------------------- memory estimate
+
+
+LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
 
 
 def _shape(model):
@@ -206,6 +286,30 @@ def _shape(model):
     kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     return layers, hidden, heads, kv_heads, head_dim, cfg.intermediate_size, next(model.parameters()).element_size()
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per token of what a step keeps alive, from the model's shape."""
+
+    activation: int  # what autograd saves per chunk token, all layers
+    kv: int  # an open chunk token's K/V with float32 gradient accumulators
+    prefix: int  # a graph's copies of one prefix token's K/V (gathered, concatenated)
+    workspace: int = LOGITS_WORKSPACE_BYTES
+
+    @classmethod
+    def of(cls, model) -> "MemoryModel":
+        return cls(activation_bytes_per_token(model), kv_bytes_per_token(model), _prefix_bytes_per_token(model))
+
+    def step_bytes(self, plan: ChunkPlan) -> int:
+        """The largest, over chunks, of what is alive while the chunk runs or closes."""
+        if plan.num_chunks == 0:
+            return self.workspace
+        if plan.recompute:  # the running chunk's activations, every open chunk's K/V
+            alive = self.kv * plan.held + self.prefix * plan.prefix_tokens + self.activation * plan.lengths
+        else:  # every open chunk's graph
+            alive = (self.kv + self.activation) * plan.held + self.prefix * plan.saved
+        return self.workspace + int(alive.max())
 
 
 def activation_bytes_per_token(model) -> int:
@@ -237,84 +341,20 @@ def _prefix_bytes_per_token(model) -> int:
     return layers * 2 * kv_heads * head_dim * size * 2
 
 
-LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
+def _check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> int:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(chunk_tokens).__name__}")
+    if chunk_tokens < 1:
+        raise ValueError(f"{name} must be at least 1 token, got {chunk_tokens}")
+    return int(chunk_tokens)
 
 
-@dataclass
-class _ChunkPlan:
-    chunks: list  # (start, stop) of each chunk, in order
-    held: int  # most tokens of open chunks at once, the running one included
-    prefix_recompute: int  # largest prefix (tokens of the open chunks under) of any chunk
-    prefix_keep: int  # most prefix tokens saved by the graphs of the open chunks at once
-
-
-def _plan(tree: PrefixTree, size: int, recompute: bool = False) -> _ChunkPlan:
-    """Consecutive chunks of at most ``size`` tokens that never hold an older chunk open.
-
-    A chunk stays open until the last token below any of its tokens (its
-    ``max_end``), and the engine closes chunks last-in first-out, so a chunk
-    whose ``max_end`` reached past that of the chunk under it would keep that
-    chunk, and transitively everything before, open for longer than its own
-    tokens need (say, a chunk running from the end of one branch into a long
-    sibling branch). So a chunk runs on as long as its ``max_end`` stays within
-    the ``max_end`` of the open chunk under it: the open chunks' ``max_end``
-    never increases up the stack, each holds an ancestor of the current token,
-    and a chunk may still cross from one branch into the next where the chunk
-    under it is open anyway.
-
-    With ``recompute`` the chunks that stay open across others pay a second
-    forward, so chunk ends move to where that costs least: back to the last
-    point where the chunk would close at once (all its descendants inside),
-    if that keeps at least half of it; otherwise, when the chunk starts with
-    tokens whose subtrees run past it (a shared prompt), to just after the
-    deepest branch point among them, so that mostly shared prefixes stay
-    open and are recomputed.
-    """
-    T = tree.num_tokens
-    end = tree.subtree_end.cpu().numpy()
-    plan = _ChunkPlan([], 0, 0, 0)
-    stack, held, saved, a = [], 0, 0, 0  # stack: (max_end, tokens, prefix tokens) of the open chunks
-    while a < T:
-        while stack and stack[-1][0] <= a:
-            _, tokens, prefix = stack.pop()
-            held, saved = held - tokens, saved - prefix
-        limit = stack[-1][0] if stack else T
-        window = end[a : a + size]
-        # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
-        over = (window > limit).nonzero()[0]
-        n = int(over[0]) if over.size else window.size
-        if recompute and a + n < T:
-            n = _recompute_friendly_length(end, a, n)
-        b = a + n
-        plan.chunks.append((a, b))
-        stack.append((int(end[a:b].max()), b - a, held))
-        plan.prefix_recompute = max(plan.prefix_recompute, held)
-        held, saved = held + b - a, saved + held
-        plan.held, plan.prefix_keep = max(plan.held, held), max(plan.prefix_keep, saved)
-        a = b
-    return plan
-
-
-def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
-    """Length, at most ``n``, of a chunk starting at ``a`` in recompute mode (see :func:`_plan`)."""
-    ends = end[a : a + n]
-    closes_at_once = np.flatnonzero(np.maximum.accumulate(ends) <= a + 1 + np.arange(n))
-    close = int(closes_at_once[-1]) + 1 if closes_at_once.size else 0
-    if 2 * close >= n:  # closing at once keeps at least half the chunk (or all of it)
-        return close
-    inside = np.flatnonzero(ends <= a + n)
-    run = int(inside[0]) if inside.size else n  # leading tokens whose subtrees run past the chunk
-    if run == 0:
-        return close or n
-    # end the long-lived part after its deepest branch point: later tokens start one branch, which
-    # the next chunk may then hold whole
-    t = np.arange(a, a + run)
-    branching = np.flatnonzero(end[np.minimum(t + 1, len(end) - 1)] < end[t])
-    return int(branching[-1]) + 1 if branching.size else run
-
-
-def _chunks(tree: PrefixTree, size: int, recompute: bool = False) -> list[tuple[int, int]]:
-    return _plan(tree, size, recompute).chunks
+def _check_bytes(value, name: str, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of bytes, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite {'non-negative' if allow_zero else 'positive'} number of bytes, got {value}")
+    return int(value)
 
 
 def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
@@ -324,54 +364,310 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
     and optimizer state: the vocabulary projection workspace, the K/V (with
     float32 gradient accumulators) of every open chunk, and what autograd
     saves: with ``recompute``, the running chunk's activations and its copies
-    of the prefix K/V; without, those of every open chunk. The open chunks are
-    those of the actual chunking at their worst moment.
-    benchmarks/bench_training.py measures the real peak.
+    of the prefix K/V; without, those of every open chunk. Taken at the
+    plan's worst moment. benchmarks/bench_training.py measures the real peak.
     """
-    plan = _plan(tree, chunk_tokens, recompute)
-    if recompute:
-        activations, prefix = max(b - a for a, b in plan.chunks), plan.prefix_recompute
-    else:
-        activations, prefix = plan.held, plan.prefix_keep
-    return (
-        LOGITS_WORKSPACE_BYTES
-        + kv_bytes_per_token(model) * plan.held
-        + _prefix_bytes_per_token(model) * prefix
-        + activation_bytes_per_token(model) * activations
-    )
+    size = _check_chunk_tokens(chunk_tokens)
+    return MemoryModel.of(model).step_bytes(plan_chunks(tree, size, recompute))
+
+
+def _largest_fitting_size(memory: MemoryModel, forest: _Forest, budget: int, recompute: bool) -> int:
+    """Largest chunk size whose estimate fits ``budget``; ValueError when none does.
+
+    The estimate is, over chunks, a sum of terms in the chunk's length, the
+    open tokens and the prefix length, so past the largest fitting power of
+    two the answer is found by interpolation on the estimate (exact where it
+    is linear in the size, the usual case), kept safe by bisection.
+    """
+    T = forest.num_tokens
+    memo: dict[int, int] = {}
+
+    def estimate(size):
+        if size not in memo:
+            memo[size] = memory.step_bytes(plan_chunks(forest, size, recompute))
+        return memo[size]
+
+    floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
+    sizes = [T] + [2**i for i in range(T.bit_length() - 1, -1, -1) if floor <= 2**i < T]
+    lo = next((s for s in sizes if estimate(s) <= budget), None)  # top down: large sizes plan fast
+    if lo is None:
+        best = min(memo.values())
+        raise ValueError(
+            f"memory budget of {budget / 2**30:.3f} GiB is too small: the smallest estimate over chunk sizes is "
+            f"{best / 2**30:.3f} GiB (the open chunks' K/V, the logits workspace and "
+            f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
+            + ("" if recompute else "; try recompute=True") + ")"
+        )
+    if lo == T:
+        return T
+    hi = min(2 * lo, T)
+    if estimate(hi) <= budget:  # not monotone (keeping the graphs of tiny chunks); T does not fit
+        hi = T
+    bisect = False
+    while hi - lo > 1:  # estimate(lo) <= budget < estimate(hi)
+        if bisect:
+            guess = (lo + hi) // 2
+        else:
+            slope = (estimate(hi) - estimate(lo)) / (hi - lo)
+            guess = min(hi - 1, max(lo + 1, lo + int((budget - estimate(lo)) // slope)))
+        width = hi - lo
+        if estimate(guess) <= budget:
+            lo = guess
+        else:
+            hi = guess
+        bisect = 2 * (hi - lo) > width  # interpolation did not halve the interval: bisect next
+    return lo
 
 
 def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True) -> int:
-    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget.
+    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (a ValueError if none does)."""
+    budget = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
+    return _largest_fitting_size(MemoryModel.of(model), _Forest.of(tree), budget, bool(recompute))
 
-    The estimate grows with the chunk size, except that keeping graphs of many
-    tiny chunks saves a prefix copy per chunk, so it also grows as chunks
-    shrink. Search powers of two for the largest size that fits, then bisect
-    up to the next.
+
+# A chunk costs a fixed overhead (kernel launches, prefix gathers, a logits window) worth about this
+# many tokens of forward work; the automatic choice weighs it against recomputed tokens.
+CHUNK_OVERHEAD_TOKENS = 512
+
+
+def _step_cost(plan: ChunkPlan) -> float:
+    """Relative step time in token forwards: forward + backward (3), recomputed forwards, chunk overhead."""
+    return 3 * int(plan.lengths.sum()) + plan.recomputed_tokens + CHUNK_OVERHEAD_TOKENS * plan.num_chunks
+
+
+def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recompute: bool | None, strict: bool):
+    """The cheapest plan (:func:`_step_cost`) whose estimate fits ``budget``, over keep and recompute.
+
+    With ``strict`` a budget nothing fits is a ValueError; without (the
+    automatic CUDA budget), the plan with the smallest estimate is tried.
     """
-    T = tree.num_tokens
+    modes = (False, True) if recompute is None else (bool(recompute),)
+    plans, errors = [], []
+    for mode in modes:
+        try:
+            plans.append(plan_chunks(forest, _largest_fitting_size(memory, forest, budget, mode), mode))
+        except ValueError as error:
+            errors.append(error)
+    if plans:
+        return min(plans, key=_step_cost)
+    if strict:
+        raise errors[-1]
+    T = forest.num_tokens
+    sizes = {T} | {2**i for i in range(8, T.bit_length())}
+    return min((plan_chunks(forest, size, True) for size in sorted(sizes)), key=memory.step_bytes)
 
-    def fits(size):
-        return estimated_step_bytes(model, tree, size, recompute) <= memory_budget_bytes
 
-    sizes = [min(2**i, T) for i in range(T.bit_length() + 1)]
-    fitting = [size for size in sizes if fits(size)]
-    if not fitting:
-        best = min(estimated_step_bytes(model, tree, size, recompute) for size in sizes)
-        raise ValueError(
-            f"memory budget of {memory_budget_bytes / 2**30:.3f} GiB is too small: the smallest estimate over "
-            f"chunk sizes is {best / 2**30:.3f} GiB (the open chunks' K/V, the logits workspace and "
-            f"{activation_bytes_per_token(model) / 2**20:.2f} MiB of activations per chunk token"
-            + ("" if recompute else "; try recompute=True") + ")"
-        )
-    lo, hi = fitting[-1], min(2 * fitting[-1], T + 1) - 1  # fits(lo); sizes above hi do not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
+# Share of the free device memory the automatic budget gives the estimate: the estimate leaves out
+# transient buffers (the vocabulary projection's, attention backward's) that run up to ~20% of it.
+AUTO_BUDGET_FRACTION = 0.8
+
+
+def _free_device_bytes(model, device: torch.device) -> int:
+    """Memory a step may still allocate: free on the device and in the caching allocator, less the
+    parameter gradients the backward will create."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    new_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    return free + cached - new_grads
+
+
+# ------------------------------------------------------------- the engine
+
+
+@dataclass
+class _LayerKV:
+    """One layer's detached K/V of an open chunk, and the gradient its descendants leave on them."""
+
+    keys: torch.Tensor  # [1, Hkv, n, D]
+    values: torch.Tensor
+    dkeys: torch.Tensor | None = None  # at least float32, allocated on the first gradient
+    dvalues: torch.Tensor | None = None
+
+    def add_grad(self, lo: int, hi: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        if self.dkeys is None:
+            dtype = torch.promote_types(self.keys.dtype, torch.float32)
+            self.dkeys = torch.zeros(self.keys.shape, dtype=dtype, device=self.keys.device)
+            self.dvalues = torch.zeros(self.values.shape, dtype=dtype, device=self.values.device)
+        self.dkeys[:, :, lo:hi] += dk
+        self.dvalues[:, :, lo:hi] += dv
+
+
+class _SeedOwnKV(torch.autograd.Function):
+    """Identity on a chunk's K/V whose backward adds the dK/dV its descendants accumulated.
+
+    The accumulators are read when autograd runs this backward, which happens
+    once, in whichever graph autograd actually runs (the forward's, or a
+    gradient-checkpointing recompute's); the chunk closes only after every
+    descendant, so they are complete by then.
+    """
+
+    @staticmethod
+    def forward(ctx, k, v, store: _LayerKV):
+        ctx.store = store
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        store = ctx.store
+        if store.dkeys is not None:
+            dk, dv = dk + store.dkeys.to(dk.dtype), dv + store.dvalues.to(dv.dtype)
+        return dk, dv, None
+
+
+class _GatherPrefix(torch.autograd.Function):
+    """A chunk's cached prefix K/V from the open chunks' stores; the backward adds dK/dV into their
+    accumulators. ``anchor`` is a tensor requiring grad, so that autograd records and runs it."""
+
+    @staticmethod
+    def forward(ctx, anchor, pieces: list[tuple[_LayerKV, int, int]]):
+        ctx.pieces = pieces
+        keys = torch.cat([store.keys[:, :, lo:hi] for store, lo, hi in pieces], dim=2)
+        values = torch.cat([store.values[:, :, lo:hi] for store, lo, hi in pieces], dim=2)
+        return keys, values
+
+    @staticmethod
+    def backward(ctx, dkeys, dvalues):
+        offset = 0
+        for store, lo, hi in ctx.pieces:
+            n = hi - lo
+            store.add_grad(lo, hi, dkeys[:, :, offset : offset + n], dvalues[:, :, offset : offset + n])
+            offset += n
+        return None, None
+
+
+@dataclass
+class _ChunkPass:
+    """What one forward of a chunk leaves: the roots of its backward."""
+
+    hidden: torch.Tensor  # [n, hidden] final hidden states
+    logprobs: torch.Tensor  # [pairs] logprobs of its (sequence, step) pairs
+
+
+@dataclass
+class _OpenChunk:
+    layers: dict  # layer index -> _LayerKV
+    graph: _ChunkPass | None = None  # kept from the forward when the plan says so
+
+
+class _Engine:
+    """Runs a :class:`ChunkPlan`: forwards and closes in the plan's order."""
+
+    def __init__(self, model, tree: PrefixTree, plan: ChunkPlan, attention_impl: str, out_logprobs: torch.Tensor):
+        self.model, self.tree, self.plan = model, tree, plan
+        self.head = output_head(model)
+        self.attention_impl = attention_impl
+        self.pairs = LogprobPairs.of(tree)
+        rows = self.pairs.rows.cpu().numpy()
+        self.span_lo = np.searchsorted(rows, plan.start).tolist()
+        self.span_hi = np.searchsorted(rows, plan.stop).tolist()
+        self.out = out_logprobs
+        self.open: dict[int, _OpenChunk] = {}
+        self.anchor = torch.zeros((), device=out_logprobs.device, requires_grad=True)
+
+    def run(self, seed) -> None:
+        """Forward and backward over the whole plan; ``seed(span, logprobs)`` is a chunk's loss."""
+        for step in self.plan.steps:
+            if step.forward:
+                self.forward(step.chunk)
+            else:
+                self.close(step.chunk, seed)
+
+    def run_forward_only(self) -> None:
+        """Every logprob, no graphs: the first pass for a loss that is not a TokenLoss."""
+        with torch.no_grad():
+            for step in self.plan.steps:
+                if step.forward:
+                    self.open[step.chunk] = _OpenChunk({})
+                    self.record(step.chunk, self.run_chunk(step.chunk, grad=False))
+                else:
+                    del self.open[step.chunk]
+
+    def forward(self, c: int) -> None:
+        chunk = self.open[c] = _OpenChunk({})
+        keep = bool(self.plan.keeps_graph[c])
+        chunk_pass = self.run_chunk(c, grad=keep)
+        self.record(c, chunk_pass)
+        if keep:
+            chunk.graph = chunk_pass
+
+    def close(self, c: int, seed) -> None:
+        """Backward of a chunk whose descendants have all closed."""
+        chunk = self.open[c]
+        chunk_pass = chunk.graph if chunk.graph is not None else self.run_chunk(c, grad=True)
+        chunk.graph = None
+        # the hidden states with a zero gradient reach every layer even without loss terms, so the
+        # K/V seeds of _SeedOwnKV always run
+        roots, grads = [chunk_pass.hidden], [torch.zeros_like(chunk_pass.hidden)]
+        if chunk_pass.logprobs.numel():
+            loss = seed(self.span(c), chunk_pass.logprobs)
+            roots.append(loss)
+            grads.append(torch.ones_like(loss))
+        torch.autograd.backward(roots, grads)
+        del self.open[c]
+
+    def span(self, c: int) -> slice:
+        return slice(self.span_lo[c], self.span_hi[c])
+
+    def record(self, c: int, chunk_pass: _ChunkPass) -> None:
+        span = self.span(c)
+        self.out[self.pairs.seq[span], self.pairs.step[span]] = chunk_pass.logprobs.detach().to(self.out.dtype)
+
+    def run_chunk(self, c: int, grad: bool) -> _ChunkPass:
+        """Chunk ``c``'s forward with its ancestors' K/V as a cached prefix."""
+        a, b = int(self.plan.start[c]), int(self.plan.stop[c])
+        pieces = self.plan.prefix(c)
+        end = self.tree.subtree_end
+        starts = [int(self.plan.start[p.owner]) for p in pieces]
+        prefix_end = [end[s + p.lo : s + p.hi] for s, p in zip(starts, pieces)]
+        P = int(self.plan.prefix_tokens[c])
+        key_end = torch.cat(prefix_end + [end[a:b]]).clamp(max=b) - a + P  # chunk-local key coordinates
+        if self.attention_impl == "kernel":
+            schedule = build_schedule(key_end, b - a, validate=False)
         else:
-            hi = mid - 1
-    return lo
+            mask = mask_from_subtree_end(key_end, torch.arange(P, P + b - a, device=key_end.device))
+        chunk = self.open[c]
+
+        def attend(layer, q, k, v, scale):
+            if layer not in chunk.layers:  # idempotent: a checkpointed layer calls attend twice
+                chunk.layers[layer] = _LayerKV(k.detach(), v.detach())
+            k, v = _SeedOwnKV.apply(k, v, chunk.layers[layer])
+            if pieces:
+                stores = [(self.open[p.owner].layers[layer], p.lo, p.hi) for p in pieces]
+                pk, pv = _GatherPrefix.apply(self.anchor, stores)
+                k, v = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
+            if self.attention_impl == "kernel":
+                return tree_attention(q, k, v, scale=scale, schedule=schedule)
+            return attention(q, k, v, mask, scale)
+
+        with torch.set_grad_enabled(grad):
+            ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
+            hidden = hidden_states(self.model, ids, positions, attend)[0]
+            span = self.span(c)
+            logprobs = rows_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
+        return _ChunkPass(hidden, logprobs)
+
+
+# ------------------------------------------------------------ tree_backward
+
+
+def _choose_plan(model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute):
+    """The plan of this step: a given chunk size, a given budget, or on CUDA the free memory."""
+    forest = _Forest.of(tree)
+    T = forest.num_tokens
+    if max_chunk_tokens is not None:
+        size = min(max_chunk_tokens, T)
+        if recompute is None:  # on when chunked
+            plan = plan_chunks(forest, size, False)
+            return plan if plan.num_chunks == 1 else plan_chunks(forest, size, True)
+        return plan_chunks(forest, size, bool(recompute))
+    if memory_budget_bytes is not None:
+        return _plan_for_budget(MemoryModel.of(model), forest, memory_budget_bytes, recompute, strict=True)
+    if device.type != "cuda":  # CPU: one chunk, one packed forward and backward
+        return plan_chunks(forest, T, bool(recompute))
+    total = torch.cuda.get_device_properties(device).total_memory
+    margin = total // 20 if memory_margin_bytes is None else memory_margin_bytes
+    budget = int(AUTO_BUDGET_FRACTION * (_free_device_bytes(model, device) - margin))
+    return _plan_for_budget(MemoryModel.of(model), forest, max(budget, 1), recompute, strict=False)
 
 
 def tree_backward(
@@ -381,6 +677,7 @@ def tree_backward(
     *,
     max_chunk_tokens: int | None = None,
     memory_budget_bytes: int | None = None,
+    memory_margin_bytes: int | None = None,
     recompute: bool | None = None,
     attention_impl: str = "auto",
 ):
@@ -388,22 +685,32 @@ def tree_backward(
 
     ``loss_fn(i, logprobs_i)`` returns sequence i's scalar loss term; the total
     loss is their sum. Pass ``dta_ref.PolicyGradientLoss`` / ``dta_ref.SFTLoss``
-    for the losses of dta_ref (one pass), or any callable (two passes).
+    for the losses of dta_ref (one pass), or any callable (two passes; a term
+    that also depends on parameters directly gets that gradient too, as
+    ``loss.backward()`` would give it).
 
-    ``max_chunk_tokens``: chunk size in packed tokens (None: the whole forest
-    as one chunk). ``memory_budget_bytes``: choose the chunk size from an
-    activation-memory budget instead: the largest whose
-    :func:`estimated_step_bytes` fits.
+    How the forest is chunked:
+
+    - ``max_chunk_tokens``: chunks of at most this many packed tokens.
+    - ``memory_budget_bytes``: the chunk size and ``recompute`` whose
+      :func:`estimated_step_bytes` fits this activation budget, cheapest first.
+    - neither, on CUDA: the budget is the device's free memory (with what the
+      caching allocator holds free, less the parameter gradients still to be
+      created), less ``memory_margin_bytes`` (default 5% of the device; leave
+      room for what comes after the backward: optimizer state on its first
+      step, other models), of which 80% goes to the estimate.
+    - neither, on CPU: one chunk (the packed forest in one forward).
+
     ``recompute``: redo each chunk's forward at its backward, so memory is
     the open chunks' K/V plus one chunk's activations; without it the open
-    chunks keep their graphs (no second forward; activations of every open
-    chunk). Default: on when chunked; with a budget, off when keeping graphs
-    fits chunks of 8192 tokens or half the size that recomputing fits.
+    chunks keep their graphs. Default: on when chunked by ``max_chunk_tokens``;
+    chosen with the chunk size under a budget.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
 
-    Returns ``(logprobs, loss)``: detached per-sequence logprobs [N, Lmax-1]
-    (the layout of ``tree_logprobs``) and the detached total loss.
+    Exact under gradient checkpointing of the model's layers (reentrant or
+    not). Returns ``(logprobs, loss)``: detached per-sequence logprobs
+    [N, Lmax-1] (the layout of ``tree_logprobs``) and the detached total loss.
     """
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
@@ -413,82 +720,79 @@ def tree_backward(
     check_token_ids(model, tree.tokens)
     if max_chunk_tokens is not None and memory_budget_bytes is not None:
         raise ValueError("give max_chunk_tokens or memory_budget_bytes, not both")
-    if memory_budget_bytes is not None:
-        if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float)):
-            raise TypeError(f"memory_budget_bytes must be a number, got {type(memory_budget_bytes).__name__}")
-        budget = int(memory_budget_bytes)
-        if recompute is None:
-            # keeping the graphs saves a second forward per chunk (a third of the step); measured, that
-            # outweighs more, smaller chunks while they hold 8K tokens or half the recompute size
-            size_recompute = chunk_tokens_for_budget(model, tree, budget, recompute=True)
-            try:
-                size_keep = chunk_tokens_for_budget(model, tree, budget, recompute=False)
-            except ValueError:
-                size_keep = 0
-            recompute = size_keep < min(size_recompute / 2, 8192)
-            max_chunk_tokens = size_recompute if recompute else size_keep
-        else:
-            max_chunk_tokens = chunk_tokens_for_budget(model, tree, budget, recompute=bool(recompute))
     if max_chunk_tokens is not None:
-        if isinstance(max_chunk_tokens, bool) or not isinstance(max_chunk_tokens, int):
-            raise TypeError(f"max_chunk_tokens must be an int, got {type(max_chunk_tokens).__name__}")
-        if max_chunk_tokens < 1:
-            raise ValueError(f"max_chunk_tokens must be at least 1 token, got {max_chunk_tokens}")
+        max_chunk_tokens = _check_chunk_tokens(max_chunk_tokens, "max_chunk_tokens")
+    if memory_budget_bytes is not None:
+        memory_budget_bytes = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
+    if memory_margin_bytes is not None:
+        memory_margin_bytes = _check_bytes(memory_margin_bytes, "memory_margin_bytes", allow_zero=True)
     if attention_impl not in ("auto", "kernel", "reference"):
         raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
 
     device = model_device(model)
+    plan = _choose_plan(model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute)
     tree = tree.to(device)
     if attention_impl == "auto":
         attention_impl = "kernel" if device.type == "cuda" else "reference"
-    T = tree.num_tokens
-    size = T if max_chunk_tokens is None else min(max_chunk_tokens, T)
-    chunks = _chunks(tree, size)
-    if recompute is None:
-        recompute = len(chunks) > 1
-    if recompute:
-        chunks = _chunks(tree, size, recompute=True)
-    engine = _Engine(model, tree, attention_impl, recompute)
-    pairs = engine.pairs
     dtype = logprob_dtype(next(model.parameters()).dtype)
     N, width = tree.num_sequences, tree.max_length - 1
     logprobs = torch.zeros(N, width, dtype=dtype, device=device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    engine = _Engine(model, tree, plan, attention_impl, logprobs)
+    pairs = engine.pairs
 
     if isinstance(loss_fn, TokenLoss):
         if loss_fn.shape != (N, width):
             raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {(N, width)}")
-        loss_fn = loss_fn.to(device)  # once, not at every chunk
+        token_loss = loss_fn.to(device)  # once, not at every chunk
+        terms_total = []
 
         def seed(span, chunk_logprobs):
-            nonlocal total
-            terms = loss_fn.terms(pairs.seq[span], pairs.step[span], chunk_logprobs).sum()
-            total = total + terms.detach().double()
+            terms = token_loss.terms(pairs.seq[span], pairs.step[span], chunk_logprobs).sum()
+            terms_total.append(terms.detach().double())
             return terms
 
+        engine.run(seed)
+        total = torch.stack(terms_total).sum() if terms_total else torch.zeros((), dtype=torch.float64, device=device)
     else:
-        engine.forward_only(chunks, logprobs)
-        g = torch.zeros_like(logprobs)
-        for i in range(N):
-            n = int(tree.lengths[i]) - 1
-            lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
-            term = loss_fn(i, lp_i)
-            if not isinstance(term, torch.Tensor) or term.numel() != 1:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor; for sequence {i} it returned "
-                    f"{type(term).__name__} {tuple(getattr(term, 'shape', ()))}"
-                )
-            total = total + term.detach().double().reshape(())
-            if term.requires_grad:
-                (g_i,) = torch.autograd.grad(term.reshape(()), lp_i, allow_unused=True)
-                if g_i is not None:
-                    g[i, :n] = g_i
+        engine.run_forward_only()
+        total, g = _linearised_loss(loss_fn, tree, logprobs)
 
         def seed(span, chunk_logprobs):
             return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()
 
-    engine.run(chunks, seed, logprobs)
+        engine.run(seed)
     for p in model.parameters():  # like loss.backward() on a loss that touches every parameter
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     return logprobs, total.to(dtype)
+
+
+def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor):
+    """The total of a generic ``loss_fn`` and g = d total / d logprobs [N, Lmax-1].
+
+    Every term is evaluated on a leaf copy of its logprobs and the total gets
+    one ``backward``: it gives g, and any part of a term that depends on
+    parameters (or other tensors) directly lands in their ``.grad`` as it
+    would in per-sequence training; the chunked pass then adds
+    ``sum(g * logprobs)``'s gradient.
+    """
+    leaves, terms = [], []
+    for i, n in enumerate((tree.lengths - 1).tolist()):
+        lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
+        term = loss_fn(i, lp_i)
+        if not isinstance(term, torch.Tensor) or term.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor; for sequence {i} it returned "
+                f"{type(term).__name__} {tuple(getattr(term, 'shape', ()))}"
+            )
+        leaves.append(lp_i)
+        terms.append(term.reshape(()))
+    differentiable = [t for t in terms if t.requires_grad]
+    if differentiable:
+        torch.autograd.backward(differentiable)
+    g = torch.zeros_like(logprobs)
+    for i, lp_i in enumerate(leaves):
+        if lp_i.grad is not None:
+            g[i, : lp_i.numel()] = lp_i.grad
+    total = torch.stack([t.detach().double().to(logprobs.device) for t in terms]).sum()
+    return total, g

@@ -10,6 +10,7 @@ import torch
 import dta_fast
 import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
+from dta_fast.engine import plan_chunks
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,10 +185,12 @@ def test_unsupported_hf_family():
         dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
 
 
+def _chunks(tree, size, recompute=False):
+    return plan_chunks(tree, size, recompute).chunks
+
+
 def _max_open_chunks(tree, size):
     """Open chunks at the worst moment of the engine's last-in first-out schedule."""
-    from dta_fast.engine import _chunks
-
     end, open_ends, worst = tree.subtree_end, [], 0
     for a, b in _chunks(tree, size):
         while open_ends and open_ends[-1] <= a:
@@ -209,8 +212,6 @@ def test_open_chunks_do_not_grow_with_the_forest():
 @pytest.mark.parametrize("recompute", [False, True])
 def test_open_chunks_hold_the_current_path(recompute):
     """Up the stack, max_end never grows, and every open chunk holds an ancestor of the next chunk's start."""
-    from dta_fast.engine import _chunks
-
     tree = PrefixTree.from_sequences(agentic_batch(40, 3, 8, 3, 6, 9, 5, vocab_size=64, seed=1))
     end, parent = tree.subtree_end.tolist(), tree.parent.tolist()
     for size in (1, 5, 16, 50, 400):
@@ -230,8 +231,6 @@ def test_open_chunks_hold_the_current_path(recompute):
 
 def test_chunks_cross_into_the_next_branch():
     """A chunk starting inside a branch runs on into the next one when the chunk under it stays open anyway."""
-    from dta_fast.engine import _chunks
-
     tree = PrefixTree.from_sequences([[1] * 10 + [2] * 6, [1] * 10 + [3] * 6, [1] * 10 + [4] * 6])
     # [0, 12) holds the shared prefix (open to the end); the next chunk crosses from branch 2 into branch 3
     assert _chunks(tree, 12) == [(0, 12), (12, 24), (24, 28)]
@@ -245,13 +244,13 @@ def test_recompute_skips_chunks_that_close_at_once(monkeypatch):
     tree = PrefixTree.from_sequences(seqs)
     model = tiny_decoder(torch.float64)
     calls = []
-    forward_chunk = _Engine.forward_chunk
+    run_chunk = _Engine.run_chunk
 
-    def counted(self, chunk, *args, **kwargs):
-        calls.append(chunk.start)
-        return forward_chunk(self, chunk, *args, **kwargs)
+    def counted(self, c, *args, **kwargs):
+        calls.append(int(self.plan.start[c]))
+        return run_chunk(self, c, *args, **kwargs)
 
-    monkeypatch.setattr(_Engine, "forward_chunk", counted)
+    monkeypatch.setattr(_Engine, "run_chunk", counted)
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     model.zero_grad(set_to_none=True)
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=4, recompute=True)
@@ -261,8 +260,6 @@ def test_recompute_skips_chunks_that_close_at_once(monkeypatch):
 
 def test_recompute_chunks_leave_only_shared_prefixes_long_lived():
     """With recompute, chunk ends move so that the chunks staying open (recomputed) are the shared prompts."""
-    from dta_fast.engine import _chunks
-
     prompt, task = [1] * 8, [[2] * 3, [3] * 3]
     seqs = [prompt + t + [r] * 5 for t in task for r in (4, 5)]  # prompt -> 2 tasks -> 2 rollouts each
     tree = PrefixTree.from_sequences(seqs)
@@ -279,8 +276,6 @@ def test_recompute_chunks_leave_only_shared_prefixes_long_lived():
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_chunks_cover_the_forest_in_order(recompute):
-    from dta_fast.engine import _chunks
-
     tree = PrefixTree.from_sequences(batch())
     for size in (1, 3, 17, 10**6):
         chunks = _chunks(tree, size, recompute)
