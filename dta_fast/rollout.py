@@ -198,4 +198,6 @@ def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p
     prompts, params = check_sampling_args(
         model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
     )
-    return _generate(model, prompts, max_new_tokens, None, params, generator, 0)
+    out = _generate(model, prompts, max_new_tokens, None, params, generator, 0)
+    out.stats = {k: out.stats[k] for k in ("generated_tokens", "verify_steps")}  # dta_ref.sample's counters
+    return out

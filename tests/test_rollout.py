@@ -1,0 +1,386 @@
+"""Rollouts: plain and speculative sampling are exact, the twins agree, bad input is refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import dta_fast
+import dta_ref
+import dta_fast.rollout as fast_rollout
+from dta_ref.rollout import DraftTree, SamplingParams, sampling_probs, walk
+from tests.helpers import assert_close_report, tiny_decoder, tiny_hf_model
+
+SPECULATIVE = {"ref": dta_ref.speculative_sample, "fast": dta_fast.speculative_sample}
+PLAIN = {"ref": dta_ref.sample, "fast": dta_fast.sample}
+PROMPTS = [[1, 2, 3], [4, 5], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def peaky_decoder(vocab_size, scale, seed=0, dtype=torch.float64):
+    """A tiny decoder whose next-token distributions are far from uniform (so caches get accepted)."""
+    model = tiny_decoder(dtype, seed=seed, vocab_size=vocab_size)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peaky_decoder(32, 8.0)
+
+
+def cache_of(prompts, completions):
+    cache = dta_ref.RolloutCache()
+    for p, c in zip(prompts, completions):
+        cache.add(p, c)
+    return cache
+
+
+def teacher_forced(model, prompt, completion, params):
+    """Each completion token's log-probability under the sampling distribution, one causal forward per prefix."""
+    contexts = [prompt + completion[:t] for t in range(len(completion))]
+    from dta_ref.rollout import _context_logits
+
+    probs = sampling_probs(_context_logits(model, contexts), params)
+    return probs[torch.arange(len(completion)), torch.tensor(completion)].log()
+
+
+# ------------------------------------------------------------------ greedy
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+@pytest.mark.parametrize("content", ["right", "wrong", "empty", "prefix-then-wrong"])
+def test_greedy_equals_plain_greedy(model, engine, content):
+    expected = dta_ref.sample(model, PROMPTS, 12, temperature=0)
+    if content == "right":
+        cache = cache_of(PROMPTS, expected.completions)
+    elif content == "wrong":
+        wrong = [[(t + 1) % 32 for t in c] for c in expected.completions]
+        cache = cache_of(PROMPTS * 2, wrong + [c[::-1] for c in expected.completions])
+    elif content == "prefix-then-wrong":
+        cache = cache_of(PROMPTS, [c[:5] + [(t + 3) % 32 for t in c[5:]] for c in expected.completions])
+    else:
+        cache = dta_ref.RolloutCache()
+    got = SPECULATIVE[engine](model, PROMPTS, 12, cache=cache, temperature=0, max_draft_tokens=8)
+    assert got.completions == expected.completions
+    for lp in got.logprobs:  # greedy draws from a point mass
+        assert torch.equal(lp, torch.zeros_like(lp))
+    s = got.stats
+    assert s["generated_tokens"] == sum(map(len, got.completions))
+    assert 0 <= s["accepted_tokens"] <= s["drafted_tokens"]
+    if content == "right":  # the whole answer comes from the cache: a few steps, most tokens drafted
+        assert s["verify_steps"] <= 3 and s["accepted_tokens"] >= 24  # of 36; plain greedy takes 12 steps
+    if content == "empty":
+        assert s["drafted_tokens"] == 0 and s["verify_steps"] == 12
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_hf_matches_generate(family):
+    model = tiny_hf_model(family, torch.float64)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    expected = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))  # fmt: skip
+        expected.append(out[0, len(p) :].tolist())
+    assert dta_ref.sample(model, prompts, 10, temperature=0).completions == expected
+    cache = cache_of(prompts, [c[:4] + [7, 7, 7] for c in expected])
+    got = dta_fast.speculative_sample(model, prompts, 10, cache=cache, temperature=0)
+    assert got.completions == expected
+    assert got.stats["accepted_tokens"] >= 4
+
+
+# ------------------------------------------------------------------ exact distributions
+
+
+V_SMALL, EOS, NEW = 5, 0, 3
+
+
+@pytest.fixture(scope="module")
+def small():
+    return peaky_decoder(V_SMALL, 3.0, seed=0)
+
+
+@torch.no_grad()
+def exact_distribution(model, prompt, params):
+    """Probability of every possible completion (EOS ends one early), by enumeration."""
+    from dta_ref.rollout import _context_logits
+
+    probs = {}
+
+    def expand(done, p):
+        if len(done) == NEW or (done and done[-1] == EOS):
+            probs[tuple(done)] = p
+            return
+        dist = sampling_probs(_context_logits(model, [prompt + done]), params)[0]
+        for t in range(V_SMALL):
+            if dist[t] > 0:
+                expand(done + [t], p * float(dist[t]))
+
+    expand([], 1.0)
+    return probs
+
+
+def chi_square_pvalue(counts: dict, expected: dict, n: int) -> float:
+    """Pearson's test of sample counts against exact probabilities; bins with < 5 expected are pooled."""
+    assert set(counts) <= set(expected), f"impossible completions sampled: {set(counts) - set(expected)}"
+    keys = sorted(expected, key=expected.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        if expected[k] * n >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(expected[k] * n)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += expected[k] * n
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    obs_t, exp_t = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = float(((obs_t - exp_t) ** 2 / exp_t).sum())
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0)))
+
+
+SETTINGS = {
+    "t1": SamplingParams(1.0, None, None, EOS),
+    "t0.7-topk3": SamplingParams(0.7, 3, None, EOS),
+    "t0.8-topp0.8": SamplingParams(0.8, None, 0.8, EOS),
+}
+
+
+def _kwargs(params):
+    return dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, eos_token_id=EOS)
+
+
+def _counts(completions):
+    counts: dict = {}
+    for c in completions:
+        counts[tuple(c)] = counts.get(tuple(c), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "setting,sampler,content",
+    [
+        ("t1", "ref.sample", None),
+        ("t0.7-topk3", "ref.sample", None),
+        ("t1", "ref.speculative", "likely"),
+        ("t1", "fast.speculative", "likely"),
+        ("t1", "fast.speculative", "unlikely"),
+        ("t0.7-topk3", "fast.speculative", "likely"),
+        ("t0.7-topk3", "fast.speculative", "unlikely"),
+        ("t0.8-topp0.8", "fast.speculative", "likely"),
+        ("t0.8-topp0.8", "fast.speculative", "unlikely"),
+        ("t0.8-topp0.8", "fast.sample", None),
+    ],
+)
+def test_distribution_is_exact(small, setting, sampler, content):
+    params = SETTINGS[setting]
+    prompt = [1, 2]
+    expected = exact_distribution(small, prompt, params)
+    n = 700 if sampler.startswith("ref") else 3000  # the reference recomputes every prefix: fewer samples
+    kw = _kwargs(params)
+    if sampler.endswith("sample"):
+        fn = dta_ref.sample if sampler.startswith("ref") else dta_fast.sample
+        out = fn(small, [prompt] * n, NEW, generator=gen(11), **kw)
+    else:
+        ranked = sorted(expected, key=expected.get, reverse=content == "likely")
+        cache = cache_of([prompt] * 6, [list(c) + [4, 4] for c in ranked[:6]])  # drafts run past EOS too
+        fn = SPECULATIVE[sampler.split(".")[0]]
+        out = fn(small, [prompt] * n, NEW, cache=cache, generator=gen(11), max_draft_tokens=4, **kw)
+        assert out.stats["drafted_tokens"] > 0
+        if content == "likely":
+            assert out.stats["accepted_tokens"] > 0
+    pvalue = chi_square_pvalue(_counts(out.completions), expected, n)
+    assert pvalue > 1e-3, f"completions are not distributed as the policy: p = {pvalue:.2e}"
+
+
+def test_chi_square_detects_a_wrong_distribution(small):
+    """The test above has power: samples at temperature 1 fail against the temperature-0.7 law."""
+    prompt, n = [1, 2], 3000
+    out = dta_fast.sample(small, [prompt] * n, NEW, generator=gen(11), **_kwargs(SETTINGS["t1"]))
+    wrong = exact_distribution(small, prompt, SamplingParams(0.7, None, None, EOS))
+    assert chi_square_pvalue(_counts(out.completions), wrong, n) < 1e-6
+
+
+def test_walk_rule():
+    """Accept while the drawn token is a child; emit the first token that is not; stop at EOS."""
+    draft = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, -1])  # 5 -> {6, 7}; 8
+    assert walk(draft, [5, 7, 9, 9, 9], None).tokens == [5, 7, 9]
+    assert walk(draft, [5, 7, 9, 9, 9], None).rows == [0, 1, 3]
+    assert walk(draft, [5, 7, 9, 9, 9], None).accepted == 2
+    assert walk(draft, [5, 9, 7, 9, 9], None).tokens == [5, 9]
+    assert walk(draft, [3, 9, 9, 9, 9], None).tokens == [3]
+    assert walk(draft, [5, 0, 9, 9, 9], 5).tokens == [5]  # EOS ends even inside the draft
+
+
+# ------------------------------------------------------------------ logprobs and EOS
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+def test_logprobs_equal_teacher_forced(model, engine):
+    base = dta_ref.sample(model, PROMPTS, 8, temperature=1.0, generator=gen(1))
+    cache = cache_of(PROMPTS, base.completions)
+    # temperature 1 without truncation: the behaviour logprobs are the model's own (flat_logprobs)
+    out = SPECULATIVE[engine](model, PROMPTS, 8, cache=cache, generator=gen(2))
+    flat = dta_ref.flat_logprobs(model, [p + c for p, c in zip(PROMPTS, out.completions)])
+    for i, (p, c) in enumerate(zip(PROMPTS, out.completions)):
+        assert_close_report(out.logprobs[i], flat[i, len(p) - 1 : len(p) - 1 + len(c)], 1e-10, 1e-10, f"seq {i}")
+    params = SamplingParams(0.8, 6, 0.9, None)
+    out = SPECULATIVE[engine](model, PROMPTS, 8, cache=cache, generator=gen(3), **_kwargs(params) | {"eos_token_id": None})
+    assert out.stats["accepted_tokens"] > 0
+    for i, (p, c) in enumerate(zip(PROMPTS, out.completions)):
+        assert_close_report(out.logprobs[i], teacher_forced(model, p, c, params), 1e-10, 1e-10, f"seq {i}")
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+def test_eos_ends_a_completion_even_inside_a_draft(model, engine):
+    greedy = dta_ref.sample(model, PROMPTS, 8, temperature=0).completions
+    k = next(k for k in range(2, 8) if greedy[0][k] not in greedy[0][:k])
+    eos = greedy[0][k]
+    cache = cache_of(PROMPTS, greedy)  # the drafts run on past the EOS token
+    out = SPECULATIVE[engine](model, PROMPTS, 8, cache=cache, temperature=0, eos_token_id=eos)
+    expected = dta_ref.sample(model, PROMPTS, 8, temperature=0, eos_token_id=eos).completions
+    assert out.completions == expected
+    assert out.completions[0] == greedy[0][: k + 1]
+    for c in out.completions:
+        assert eos not in c[:-1] and len(c) <= 8
+        assert len(c) == 8 or c[-1] == eos
+    none = SPECULATIVE[engine](model, PROMPTS, 0, cache=cache)
+    assert none.completions == [[], [], []] and all(lp.numel() == 0 for lp in none.logprobs)
+
+
+# ------------------------------------------------------------------ twins
+
+
+def _assert_twins(a, b):
+    assert a.completions == b.completions
+    assert a.stats == b.stats
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert_close_report(y, x, 1e-9, 1e-9, "logprobs")
+
+
+def test_twins_agree_decoder(model):
+    kw = dict(temperature=0.9, top_p=0.95, eos_token_id=7, max_draft_tokens=6)
+    prompts = PROMPTS * 3
+    base = dta_fast.sample(model, prompts, 10, temperature=0.9, generator=gen(4))
+    ref = dta_ref.speculative_sample(model, prompts, 10, cache=cache_of(prompts, base.completions), generator=gen(5), **kw)
+    fast = dta_fast.speculative_sample(model, prompts, 10, cache=cache_of(prompts, base.completions), generator=gen(5), **kw)
+    _assert_twins(ref, fast)
+    assert ref.stats["accepted_tokens"] > 0
+    _assert_twins(dta_ref.sample(model, PROMPTS, 6, generator=gen(6)), dta_fast.sample(model, PROMPTS, 6, generator=gen(6)))
+
+
+def test_empty_cache_speculative_equals_plain(model):
+    """No drafts: the speculative samplers draw exactly like plain sampling, token for token."""
+    plain = dta_ref.sample(model, PROMPTS, 8, generator=gen(7), top_k=10)
+    for fn in SPECULATIVE.values():
+        assert fn(model, PROMPTS, 8, cache=dta_ref.RolloutCache(), generator=gen(7), top_k=10).completions == plain.completions
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_twins_agree_hf(family):
+    model = tiny_hf_model(family, torch.float64)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [3, 1, 4]]
+    base = dta_ref.sample(model, prompts, 6, generator=gen(8))
+    kw = dict(generator=gen(9), max_draft_tokens=5)
+    ref = dta_ref.speculative_sample(model, prompts * 2, 6, cache=cache_of(prompts, base.completions), **kw)
+    kw["generator"] = gen(9)
+    fast = dta_fast.speculative_sample(model, prompts * 2, 6, cache=cache_of(prompts, base.completions), **kw)
+    _assert_twins(ref, fast)
+
+
+def test_fast_engine_with_the_kernel(monkeypatch):
+    """The Triton tree-attention route (interpreted on CPU) verifies drafts like the explicit mask."""
+    model = peaky_decoder(32, 8.0, dtype=torch.float32)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    expected = dta_ref.sample(model, prompts, 6, temperature=0).completions
+    cache = cache_of(prompts, [c[:3] + [0, 0] for c in expected])
+    monkeypatch.setattr(fast_rollout, "_use_kernel", lambda device: True)
+    out = dta_fast.speculative_sample(model, prompts, 6, cache=cache, temperature=0, max_draft_tokens=4)
+    assert out.completions == expected
+    assert out.stats["accepted_tokens"] >= 2
+
+
+# ------------------------------------------------------------------ the cache
+
+
+def test_cache_drafts_most_frequent_first_and_bounded():
+    cache = dta_ref.RolloutCache(max_tokens_per_prompt=40)
+    for c in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [1, 7]):
+        cache.add([9, 9], c)
+    tree = cache.draft([9, 9], [], 5)
+    assert tree.tokens == [1, 2, 3, 4, 7] and tree.parents == [-1, 0, 1, 2, 0]  # ties: the most recent first
+    assert cache.draft([9, 9], [1, 2], 2).tokens == [3, 4]
+    assert cache.draft([9, 9], [5, 1], 1).tokens == [2]  # suffix match: "1" was followed by 2 most often
+    assert cache.draft([8], [1], 4).tokens == []  # another prompt: nothing cached
+    tree = cache.draft([9, 9], [], 3)
+    assert len(tree) == 3 and tree.subtree_end() == [3, 3, 3]
+    for i in range(20):
+        cache.add([9, 9], [i % 7] * 5)
+    assert cache.num_tokens([9, 9]) <= 40
+    assert cache.draft([9, 9], [], 3).tokens == [5, 5, 5]  # the newest completions survive
+
+
+def test_cache_serves_a_later_turn():
+    """A prompt extending a cached prompt (the next turn) drafts from what followed that context before."""
+    cache = dta_ref.RolloutCache()
+    cache.add([1, 2], [3, 4, 5])
+    cache.add([1, 2, 3, 4, 5, 6], [7, 8, 9])  # turn 2: turn 1's context plus a tool output (6)
+    assert len(cache) == 1
+    assert cache.draft([1, 2, 3, 4, 5, 6], [], 3).tokens == [7, 8, 9]
+    assert cache.draft([1, 2, 3, 4, 5, 6], [7], 2).tokens == [8, 9]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+BAD = [
+    ("empty-prompts", dict(prompts=[]), ValueError, "prompts is empty"),
+    ("empty-prompt", dict(prompts=[[1], []]), ValueError, "sequence 1 is empty"),
+    ("negative-token", dict(prompts=[[1, -2]]), ValueError, "non-negative"),
+    ("float-token", dict(prompts=[[1.0, 2.0]]), TypeError, "tokens must be ints"),
+    ("not-a-list", dict(prompts=torch.tensor([[1, 2]])), TypeError, "prompts must be a list"),
+    ("token-out-of-vocab", dict(prompts=[[1, 999]]), ValueError, "out of range"),
+    ("negative-max-new", dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+    ("float-max-new", dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
+    ("negative-temperature", dict(temperature=-0.5), ValueError, "temperature must be"),
+    ("nan-temperature", dict(temperature=float("nan")), ValueError, "temperature must be"),
+    ("top-p-zero", dict(top_p=0.0), ValueError, "top_p must be in"),
+    ("top-p-above-one", dict(top_p=1.5), ValueError, "top_p must be in"),
+    ("top-k-zero", dict(top_k=0), ValueError, "top_k must be >= 1"),
+    ("top-k-float", dict(top_k=2.5), TypeError, "top_k must be an int"),
+    ("eos-negative", dict(eos_token_id=-1), ValueError, "eos_token_id must be >= 0"),
+    ("generator-type", dict(generator=0), TypeError, "generator must be"),
+]
+
+
+@pytest.mark.parametrize("sampler", ["ref.sample", "fast.sample", "ref.speculative", "fast.speculative"])
+@pytest.mark.parametrize("change,exc,match", [pytest.param(*b[1:], id=b[0]) for b in BAD])
+def test_bad_input(model, sampler, change, exc, match):
+    args = dict(prompts=[[1, 2]], max_new_tokens=2) | change
+    kwargs = {k: v for k, v in args.items() if k not in ("prompts", "max_new_tokens")}
+    if sampler.endswith("speculative"):
+        fn = SPECULATIVE[sampler.split(".")[0]]
+        kwargs["cache"] = dta_ref.RolloutCache()
+    else:
+        fn = PLAIN[sampler.split(".")[0]]
+    with pytest.raises(exc, match=match):
+        fn(model, args["prompts"], args["max_new_tokens"], **kwargs)
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+def test_bad_speculative_input(model, engine):
+    with pytest.raises(TypeError, match="cache must be a dta_ref.RolloutCache"):
+        SPECULATIVE[engine](model, [[1]], 2, cache={})
+    with pytest.raises(ValueError, match="max_draft_tokens must be >= 0"):
+        SPECULATIVE[engine](model, [[1]], 2, cache=dta_ref.RolloutCache(), max_draft_tokens=-1)
+    with pytest.raises(TypeError, match="unsupported model"):
+        SPECULATIVE[engine](torch.nn.Linear(2, 2), [[1]], 2, cache=dta_ref.RolloutCache())
