@@ -27,6 +27,7 @@ Three parts, read in order:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -639,7 +640,9 @@ class _Engine:
                 return tree_attention(q, k, v, scale=scale, schedule=schedule)
             return attention(q, k, v, mask, scale)
 
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            # reentrant checkpointing warns of a forward without gradients; this one needs none
+            warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
             hidden = hidden_states(self.model, ids, positions, attend)[0]
             span = self.span(c)

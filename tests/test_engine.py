@@ -291,3 +291,143 @@ def test_token_ids_outside_the_vocabulary():
         dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
     with pytest.raises(ValueError, match="out of range"):
         dta_fast.tree_logprobs(model, tree)
+
+
+class _CheckpointedLayer(torch.nn.Module):
+    """A decoder layer whose forward runs under torch.utils.checkpoint (recomputed in the backward)."""
+
+    def __init__(self, layer, use_reentrant):
+        super().__init__()
+        self.layer, self.use_reentrant = layer, use_reentrant
+
+    def forward(self, x, position_ids, attend):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, position_ids, attend, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_checkpointed_layers(use_reentrant, recompute, chunk):
+    """Each layer's forward runs twice (the first under no_grad when reentrant): gradients stay exact."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    ref_lp, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    model.layers = torch.nn.ModuleList(_CheckpointedLayer(layer, use_reentrant) for layer in model.layers)
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(
+        model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=chunk, recompute=recompute
+    )
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)
+    grads = {name.replace(".layer.", "."): g for name, g in grads_of(model).items()}
+    assert_grads_close(grads, ref_grads, rel=1e-11)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_hf_gradient_checkpointing(use_reentrant):
+    """A Hugging Face model with gradient_checkpointing_enable() trains to the per-sequence gradients."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_hf_model("qwen2", torch.float64, "sdpa")
+    ref_lp, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask, "sum"))
+    model.train()  # transformers checkpoints only in training mode; the tiny model has no dropout
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask, "sum"), max_chunk_tokens=6)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-6)
+
+
+def test_loss_with_a_direct_parameter_term():
+    """A generic loss term that also depends on parameters directly gets that gradient too, exactly."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    lengths = tree.lengths - 1
+    weight = model.lm_head.weight
+
+    def loss_fn(i, lp):
+        return -lp.sum() + 0.01 * (i + 1) * weight.pow(2).sum()
+
+    def total(lp):
+        return sum(loss_fn(i, lp[i, : int(lengths[i])]) for i in range(tree.num_sequences))
+
+    _, ref_loss, ref_grads = flat_reference(model, seqs, total)
+    model.zero_grad(set_to_none=True)
+    _, loss = dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=7)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -5.0])
+def test_bad_budgets_and_sizes(bad):
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+    model = tiny_decoder(torch.float64)
+    with pytest.raises(ValueError, match="memory_budget_bytes must be a finite positive"):
+        dta_fast.chunk_tokens_for_budget(model, tree, bad)
+    with pytest.raises(ValueError, match="memory_budget_bytes must be a finite positive"):
+        dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=bad)
+    if bad != 0:
+        with pytest.raises(ValueError, match="memory_margin_bytes must be a finite non-negative"):
+            dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_margin_bytes=bad)
+    if not isinstance(bad, float) or bad.is_integer():
+        with pytest.raises(ValueError, match="chunk_tokens must be at least 1 token"):
+            dta_fast.estimated_step_bytes(model, tree, int(bad))
+    with pytest.raises(TypeError, match="chunk_tokens must be an int"):
+        dta_fast.estimated_step_bytes(model, tree, 2.5)
+    with pytest.raises(TypeError, match="memory_budget_bytes must be a number of bytes"):
+        dta_fast.chunk_tokens_for_budget(model, tree, "8GiB")
+
+
+def test_cpu_default_is_one_chunk(monkeypatch):
+    """Without chunk size or budget, a CPU model runs the forest as one chunk, with no budget search."""
+    from dta_fast import engine
+
+    tree = PrefixTree.from_sequences(batch())
+    model = tiny_decoder(torch.float64)
+    chosen = []
+    original = engine._Engine.__init__
+
+    def spy(self, model, tree, plan, *args):
+        chosen.append(plan)
+        original(self, model, tree, plan, *args)
+
+    monkeypatch.setattr(engine._Engine, "__init__", spy)
+    monkeypatch.setattr(engine, "_largest_fitting_size", None)  # any budget search would fail
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
+    assert [p.chunks for p in chosen] == [[(0, tree.num_tokens)]]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_plan_facts(recompute):
+    """Each chunk's prefix pieces are exactly the ancestors of its first token, in open chunks, in
+    packed order; held and saved count the open chunks; steps close last-in first-out."""
+    tree = PrefixTree.from_sequences(agentic_batch(40, 3, 8, 3, 6, 9, 5, vocab_size=64, seed=1) + batch())
+    parent, end = tree.parent.tolist(), tree.subtree_end.tolist()
+    for size in (1, 4, 17, 60, 10**4):
+        plan = plan_chunks(tree, size, recompute)
+        chunks = plan.chunks
+        open_, order = [], []
+        for step in plan.steps:
+            if not step.forward:
+                assert open_[-1] == step.chunk
+                open_.pop()
+                continue
+            c = step.chunk
+            a, b = chunks[c]
+            assert plan.max_end[c] == max(end[a:b])
+            ancestors, p = [], parent[a]
+            while p >= 0:
+                ancestors.append(p)
+                p = parent[p]
+            got = []
+            for piece in plan.prefix(c):
+                assert piece.owner in open_ and 0 <= piece.lo < piece.hi <= chunks[piece.owner][1] - chunks[piece.owner][0]
+                got += range(chunks[piece.owner][0] + piece.lo, chunks[piece.owner][0] + piece.hi)
+            assert got == sorted(ancestors) and plan.prefix_tokens[c] == len(ancestors)
+            open_.append(c)
+            order.append(c)
+            assert plan.held[c] == sum(chunks[o][1] - chunks[o][0] for o in open_)
+            assert plan.saved[c] == sum(plan.prefix_tokens[o] for o in open_)
+            assert plan.keeps_graph[c] == (not recompute or plan.max_end[c] <= b)
+        assert order == list(range(plan.num_chunks)) and not open_
