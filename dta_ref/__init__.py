@@ -25,11 +25,13 @@ from .losses import (
     token_weights,
 )
 from .model import Decoder, DecoderConfig
+from .padded import PaddedLayout
 from .rollout import Rollout, RolloutCache, sample, speculative_sample
 from .tree import PrefixTree
 
 __all__ = [
     "PrefixTree",
+    "PaddedLayout",
     "adapt",
     "ModelAdapter",
     "tree_attention_mask",

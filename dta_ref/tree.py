@@ -132,6 +132,19 @@ class PrefixTree:
             lengths=as_tensor(lengths),
         )
 
+    @classmethod
+    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "PrefixTree":
+        """The tree of a padded batch [B, L]: row i's tokens are those where ``attention_mask`` is 1.
+
+        Left, right or mixed padding; each row's tokens must be one contiguous
+        run. The same tree as :meth:`from_sequences` on the unpadded rows, in
+        row order. :class:`dta_ref.padded.PaddedLayout` moves per-token tensors
+        between the padded layout and the tree's.
+        """
+        from .padded import PaddedLayout
+
+        return cls.from_sequences(PaddedLayout.of(attention_mask).sequences(input_ids))
+
     @property
     def num_sequences(self) -> int:
         return self.seq_index.shape[0]

@@ -1,0 +1,150 @@
+"""TRL's GRPOTrainer, scoring each micro-batch as one prefix tree.
+
+:class:`TreeGRPOTrainer` is ``trl.GRPOTrainer`` with one method replaced:
+``_get_per_token_logps_and_entropies``, through which GRPOTrainer computes
+the policy's, the old policy's and the reference model's per-token logprobs
+(and the entropies). Given the micro-batch's ``[prompt | completion]`` rows
+(left-padded prompts, right-padded completions, multi-turn tool output
+included), it builds one prefix tree of the rows, runs one packed forward
+over it and returns the same ``[B, logits_to_keep]`` tensors. Everything
+else (generation, rewards, advantages, the loss and its options, logging) is
+GRPOTrainer's own, so the loss and the gradients are GRPOTrainer's up to
+float rounding. The trainer logs the micro-batch's compression ratio as
+``tree/compression_ratio``.
+
+Sharing happens inside a micro-batch: the G generations of a prompt are
+contiguous in TRL's batches, so a ``per_device_train_batch_size`` that is a
+multiple of ``num_generations`` keeps every group in one tree.
+
+With ``TreeGRPOConfig(tree_memory_budget_bytes=...)`` the training forward
+and backward run depth-first in chunks (``dta_fast.tree_backward``) within
+that activation budget: the logprobs are computed without a graph, GRPO's
+own loss gives d loss / d logprob, and the chunked pass backpropagates
+``sum(g * logprob)``, which has the same parameter gradient (one extra forward).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+import dta_ref
+from dta_ref.losses import TokenLoss
+from dta_ref.padded import PaddedLayout
+
+from .engine import tree_backward
+from .tree import build_tree
+
+
+@dataclass
+class TreeGRPOConfig(GRPOConfig):
+    """GRPOConfig with the tree path's own option."""
+
+    tree_memory_budget_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Activation-memory budget of the training forward + backward: train depth-first in chunks "
+            "through dta_fast.tree_backward instead of one packed forward (None: one packed forward)."
+        },
+    )
+
+
+class _LinearLoss(TokenLoss):
+    """sum(weights * logprobs): a loss linearised at the current logprobs (weights = d loss / d logprob)."""
+
+    def _term(self, seq, step, logprobs):
+        return logprobs
+
+
+def tree_token_logprobs(model, tree, temperature: float = 1.0):
+    """Logprobs and entropies of a tree: the Triton kernel on CUDA, the explicit-mask reference elsewhere."""
+    cuda = next(dta_ref.adapt(model).core.parameters()).is_cuda
+    if cuda:
+        from .logprobs import tree_logprobs_and_entropy
+    else:
+        from dta_ref.logprobs import tree_logprobs_and_entropy
+    return tree_logprobs_and_entropy(model, tree, temperature=temperature)
+
+
+class TreeGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose per-token logprobs come from one prefix tree per micro-batch (same constructor)."""
+
+    _UNSUPPORTED_INPUTS = (
+        "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+        "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    )  # fmt: skip
+
+    @property
+    def _memory_budget(self) -> int | None:
+        return getattr(self.args, "tree_memory_budget_bytes", None)
+
+    def _log_compression(self, tree) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["tree/compression_ratio"].append(tree.compression_ratio)
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **multimodal,
+    ):  # fmt: skip
+        if compute_aux_loss or any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
+            warnings.warn(
+                "TreeGRPOTrainer: multimodal inputs and MoE auxiliary losses are not on the tree path; "
+                "this batch is scored by GRPOTrainer's own path",
+                stacklevel=2,
+            )
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )  # fmt: skip
+        batch_size = batch_size or input_ids.size(0)
+        first = input_ids.size(1) - logits_to_keep  # the completion block's first column
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            layout = PaddedLayout.of(mask)
+            tree = build_tree(layout.sequences(ids))
+            self._log_compression(tree)
+            with self.accelerator.autocast():
+                out = tree_token_logprobs(model, tree, self.temperature)
+            logps.append(layout.from_tree(out.logprobs, first, logits_to_keep))
+            entropies.append(layout.from_tree(out.entropy, first, logits_to_keep))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    def _compute_loss(self, model, inputs):
+        if self._memory_budget is None:
+            return super()._compute_loss(model, inputs)
+        if self._entropy_bonus_enabled:
+            raise ValueError(
+                "tree_memory_budget_bytes trains through d loss / d logprob only: an entropy bonus "
+                "(entropy_coef != 0 or adaptive entropy) is not supported with it"
+            )
+        # GRPO's own loss on logprobs that are leaves: its gradient with respect to them seeds the chunked pass
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
+            )
+        leaf = logps.detach().requires_grad_(True)
+        original = self._get_per_token_logps_and_entropies
+        self._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, entropies, None)
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._get_per_token_logps_and_entropies = original
+        (grad,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+
+        layout = PaddedLayout.of(attention_mask)
+        tree = build_tree(layout.sequences(input_ids))
+        weights = layout.to_tree(grad.double(), input_ids.size(1) - completion_ids.size(1))
+        unwrapped = self.accelerator.unwrap_model(model)
+        with self.accelerator.autocast():
+            tree_backward(
+                unwrapped, tree, _LinearLoss(weights), memory_budget_bytes=self._memory_budget,
+                temperature=self.temperature,
+            )  # fmt: skip
+        return loss  # depends on the leaf only: the trainer's backward of it leaves the parameters alone

@@ -1,0 +1,126 @@
+"""TreeGRPOTrainer against TRL's own GRPOTrainer: same losses and the same parameters after a few steps.
+
+CPU, float32, a tiny Qwen2 model and a word-level tokenizer built in code (no
+downloads). Both trainers start from the same weights and seed; generation
+is GRPOTrainer's own in both, so the batches match and any difference comes
+from how the logprobs and gradients are computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+datasets = pytest.importorskip("datasets")
+
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from dta_fast.trl import TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
+from tests.helpers import tiny_hf_model  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(58)]
+
+
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def prompts():
+    # prompts of different lengths, so the prompt block is left-padded
+    return datasets.Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9 w10", "w11"] * 4})
+
+
+def reward_small_ids(completions, **kwargs):
+    return [float(sum(int(w[1:]) < 20 for w in c.split() if w.startswith("w"))) for c in completions]
+
+
+def config(cls, tmp_path, **overrides):
+    options = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        learning_rate=0.5,
+        optim="sgd",  # updates proportional to the gradients (Adam would turn rounding noise in a zero gradient into a full step)
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        seed=7,
+        save_strategy="no",
+        bf16=False,
+        gradient_checkpointing=False,
+        temperature=0.9,
+        dataloader_num_workers=0,
+    )
+    options.update(overrides)
+    return cls(**options)
+
+
+def train(trainer_cls, config_cls, tmp_path, model, peft_config=None, **overrides):
+    torch.manual_seed(0)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward_small_ids,
+        args=config(config_cls, tmp_path, **overrides),
+        train_dataset=prompts(),
+        processing_class=word_tokenizer(),
+        peft_config=peft_config,
+    )
+    trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    initial = {n: p.detach().clone() for n, p in trainable.items()}
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    updates = {n: p.detach() - initial[n] for n, p in trainable.items()}
+    return logs, initial, updates
+
+
+def lora():
+    from peft import LoraConfig
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+CASES = {
+    "plain": dict(),
+    "grad-ckpt-reentrant": dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
+    "grad-ckpt": dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}),
+    "kl-and-two-iterations": dict(beta=0.1, num_iterations=2),
+    "lora": dict(peft=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
+    overrides = dict(CASES[case])
+    peft = lora() if overrides.pop("peft", False) else None
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")  # both trainers (and their reference models) load it from disk
+    path = str(tmp_path / "model")
+    base_logs, base_start, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path, peft, **overrides)
+    tree_logs, tree_start, tree_updates = train(
+        TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path, peft, **overrides
+    )
+    assert len(base_logs) == len(tree_logs) == 3
+    for base, tree in zip(base_logs, tree_logs, strict=True):
+        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
+        assert tree["tree/compression_ratio"] > 1.0  # the 4 generations of each prompt share their prompt
+    assert base_start.keys() == tree_start.keys()
+    for name in base_start:
+        assert torch.equal(base_start[name], tree_start[name]), name
+        base, tree = base_start[name] + base_updates[name], tree_start[name] + tree_updates[name]
+        assert torch.allclose(tree, base, rtol=1e-5, atol=1e-6), f"{name}: max diff {(tree - base).abs().max():.3e}"
+    base_update = torch.cat([u.flatten() for u in base_updates.values()])
+    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
+    assert base_update.norm() > 0  # training moved the parameters, so the comparison means something
+    assert (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
