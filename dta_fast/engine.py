@@ -115,10 +115,11 @@ class ChunkPlan:
     saved: np.ndarray  # [C] prefix tokens of the open chunks, its own included
     keeps_graph: np.ndarray  # [C] bool: its forward keeps the autograd graph until it closes
     steps: list[Step]  # forwards and closes, in order
-    piece_ptr: np.ndarray  # [C + 1] chunk c's prefix pieces are piece_*[piece_ptr[c]:piece_ptr[c + 1]]
-    piece_owner: np.ndarray
-    piece_lo: np.ndarray
-    piece_hi: np.ndarray
+    # chunk c's prefix pieces are piece_*[piece_ptr[c] : piece_ptr[c + 1]] (None: planned without)
+    piece_ptr: np.ndarray | None  # [C + 1]
+    piece_owner: np.ndarray | None
+    piece_lo: np.ndarray | None  # chunk-local
+    piece_hi: np.ndarray | None
 
     @property
     def num_chunks(self) -> int:
@@ -149,7 +150,7 @@ class ChunkPlan:
         ]
 
 
-def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False) -> ChunkPlan:
+def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, with_prefix: bool = True) -> ChunkPlan:
     """Chunks of at most ``size`` tokens and their facts (docs/chunked_execution.md, "Where chunks stop").
 
     A chunk runs on while its tokens' subtrees stay within the ``max_end``
@@ -162,7 +163,10 @@ def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False) 
     bounds, stack_facts, steps = _chunk_bounds(forest, size, recompute)
     start, stop, max_end = (np.array(x, dtype=np.int64).reshape(-1) for x in bounds)
     held, saved = (np.array(x, dtype=np.int64).reshape(-1) for x in stack_facts)
-    piece_ptr, owner, lo, hi = _prefix_pieces(forest, start, stop)
+    if with_prefix:
+        piece_ptr, owner, lo, hi = _prefix_pieces(forest, start, stop)
+    else:
+        piece_ptr, owner, lo, hi = None, None, None, None
     return ChunkPlan(
         size=size,
         recompute=recompute,
@@ -224,16 +228,20 @@ def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
     prefixes stay open and are recomputed.
     """
     ends = end[a : a + n]
-    closes_at_once = np.flatnonzero(np.maximum.accumulate(ends) <= a + 1 + np.arange(n))
-    close = int(closes_at_once[-1]) + 1 if closes_at_once.size else 0
+    # [a, a + k) closes at once when no subtree in it ends past a + k
+    closes = np.maximum.accumulate(ends) <= np.arange(a + 1, a + n + 1)
+    last = n - 1 - int(closes[::-1].argmax())
+    close = last + 1 if closes[last] else 0
     if 2 * close >= n:
         return close
-    inside = np.flatnonzero(ends <= a + n)
-    run = int(inside[0]) if inside.size else n  # leading tokens whose subtrees run past the chunk
+    inside = ends <= a + n
+    run = int(inside.argmax()) if inside.any() else n  # leading tokens whose subtrees run past the chunk
     if run == 0:
         return close or n
-    t = np.arange(a, a + run)
-    branching = np.flatnonzero(end[np.minimum(t + 1, len(end) - 1)] < end[t])
+    # end the long-lived part after its deepest branch point: a token whose subtree ends before its
+    # parent's; later tokens start one branch, which the next chunk may then hold whole
+    following = end[a + 1 : min(a + run + 1, end.size)]
+    branching = np.flatnonzero(following < ends[: following.size])
     return int(branching[-1]) + 1 if branching.size else run
 
 
@@ -375,44 +383,60 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
 def _largest_fitting_size(memory: MemoryModel, forest: _Forest, budget: int, recompute: bool) -> int:
     """Largest chunk size whose estimate fits ``budget``; ValueError when none does.
 
-    The estimate is, over chunks, a sum of terms in the chunk's length, the
-    open tokens and the prefix length, so past the largest fitting power of
-    two the answer is found by interpolation on the estimate (exact where it
-    is linear in the size, the usual case), kept safe by bisection.
+    Every plan holds a deepest token's whole path open at some moment, which
+    bounds the estimate from below and, with one chunk's worth of tokens on
+    top, gives a first guess. From there the sizes double or halve until they
+    bracket the budget, and interpolation on the estimate (exact where it is
+    linear in the size, the usual case), kept safe by bisection, finds the
+    largest that fits: a handful of plans.
     """
     T = forest.num_tokens
     memo: dict[int, int] = {}
 
-    def estimate(size):
+    def fits(size):
         if size not in memo:
-            memo[size] = memory.step_bytes(plan_chunks(forest, size, recompute))
-        return memo[size]
+            memo[size] = memory.step_bytes(plan_chunks(forest, size, recompute, with_prefix=False))
+        return memo[size] <= budget
 
+    path = int(forest.depth.max()) + 1 if T else 0  # some moment holds a deepest token and its ancestors
+    open_path = memory.workspace + memory.kv * path + (0 if recompute else memory.activation * path)
     floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
-    sizes = [T] + [2**i for i in range(T.bit_length() - 1, -1, -1) if floor <= 2**i < T]
-    lo = next((s for s in sizes if estimate(s) <= budget), None)  # top down: large sizes plan fast
+    lo = hi = None  # fits(lo); hi does not fit
+    if open_path + memory.activation <= budget:
+        per_token = memory.kv + memory.activation + (memory.prefix if recompute else 0)
+        size = min(T, max(floor, (budget - open_path - memory.prefix * path) // per_token))
+        if fits(size):
+            lo = size
+            while lo < T and hi is None:
+                if fits(min(2 * lo, T)):
+                    lo = min(2 * lo, T)
+                else:
+                    hi = min(2 * lo, T)
+        else:
+            hi = size
+            while lo is None and size > floor:
+                size = max(floor, size // 2)
+                if fits(size):
+                    lo = size
+                else:
+                    hi = size
     if lo is None:
-        best = min(memo.values())
+        best = min(memo.values(), default=open_path + memory.activation)
         raise ValueError(
             f"memory budget of {budget / 2**30:.3f} GiB is too small: the smallest estimate over chunk sizes is "
             f"{best / 2**30:.3f} GiB (the open chunks' K/V, the logits workspace and "
             f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
-    if lo == T:
-        return T
-    hi = min(2 * lo, T)
-    if estimate(hi) <= budget:  # not monotone (keeping the graphs of tiny chunks); T does not fit
-        hi = T
     bisect = False
-    while hi - lo > 1:  # estimate(lo) <= budget < estimate(hi)
+    while hi is not None and hi - lo > 1:  # fits(lo) and not fits(hi)
         if bisect:
             guess = (lo + hi) // 2
         else:
-            slope = (estimate(hi) - estimate(lo)) / (hi - lo)
-            guess = min(hi - 1, max(lo + 1, lo + int((budget - estimate(lo)) // slope)))
+            slope = (memo[hi] - memo[lo]) / (hi - lo)
+            guess = min(hi - 1, max(lo + 1, lo + int((budget - memo[lo]) // slope)))
         width = hi - lo
-        if estimate(guess) <= budget:
+        if fits(guess):
             lo = guess
         else:
             hi = guess
