@@ -24,6 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .attention import attention, mask_from_subtree_end
@@ -319,6 +320,19 @@ class DraftBudget:
             self.accepted = 0.6 * self.accepted + 0.4 * accepted
 
 
+NGRAMS = (1, 2, 4, 8)  # context lengths indexed; candidates are then ranked by their true match length
+_HASH_MUL = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def _ngram_hash(tokens) -> int:
+    """The hash :meth:`_Store.add` computes (with numpy) for an n-gram, in Python ints."""
+    h = 0
+    for t in tokens:
+        h = (h * _HASH_MUL + t + 2) & _MASK64
+    return h
+
+
 class _Store:
     """One cache key's sequences and an index of their n-grams (by hash) for suffix matching."""
 
@@ -327,34 +341,73 @@ class _Store:
         self.order: deque[int] = deque()
         self.next_id = 0
         self.num_tokens = 0
-        self.index: list[dict[int, list[tuple[int, int]]]] = []  # index[n-1][hash] -> [(id, pos after)]
+        self.index: dict[int, dict[int, list[tuple[int, int]]]] = {n: {} for n in NGRAMS}  # n -> hash -> [(id, pos)]
 
-    def add(self, seq: list[int], max_match: int) -> None:
+    def add(self, seq: list[int]) -> None:
         s = [BOS] + seq
         sid = self.next_id
         self.next_id += 1
         self.seqs[sid] = s
         self.order.append(sid)
         self.num_tokens += len(seq)
-        self._index(sid, s, max_match)
+        self._index(sid, s)
 
-    def _index(self, sid, s, max_match):
-        while len(self.index) < max_match:
-            self.index.append({})
-        for end in range(1, len(s)):  # a continuation starts at s[end]
-            for n in range(1, min(max_match, end) + 1):
-                self.index[n - 1].setdefault(hash(tuple(s[end - n : end])), []).append((sid, end))
+    def _index(self, sid: int, s: list[int]) -> None:
+        arr = np.asarray(s, dtype=np.int64).astype(np.uint64) + np.uint64(2)
+        with np.errstate(over="ignore"):  # the hash wraps modulo 2**64 on purpose
+            for n in NGRAMS:
+                if n >= len(s):
+                    break
+                count = len(s) - n  # n-grams s[e-n:e] for e = n .. len(s)-1 (a continuation s[e] follows)
+                h = np.zeros(count, dtype=np.uint64)
+                for k in range(n):
+                    h = h * np.uint64(_HASH_MUL) + arr[k : k + count]
+                table = self.index[n]
+                for e, key in enumerate(h.tolist(), start=n):
+                    hits = table.get(key)
+                    if hits is None:
+                        table[key] = [(sid, e)]
+                    else:
+                        hits.append((sid, e))
 
-    def evict_to(self, max_tokens: int, max_match: int) -> None:
+    def evict_to(self, max_tokens: int) -> None:
         if self.num_tokens <= max_tokens:
             return
         target = max_tokens * 3 // 4  # evict in bulk, then rebuild the index once
         while self.order and self.num_tokens > target:
             sid = self.order.popleft()
             self.num_tokens -= len(self.seqs.pop(sid)) - 1
-        self.index = []
+        self.index = {n: {} for n in NGRAMS}
         for sid in self.order:
-            self._index(sid, self.seqs[sid], max_match)
+            self._index(sid, self.seqs[sid])
+
+    def match(self, context: list[int], max_match: int, max_sources: int) -> list[list[int]]:
+        """Pointers [id, pos] after the stored occurrences of the longest context suffix, longest first.
+
+        Candidates come from the longest indexed n-gram with hits (most recent
+        first); they are ranked by how far (up to ``max_match`` tokens) the
+        context keeps matching before them, ties to the most recent.
+        """
+        for n in reversed(NGRAMS):
+            if n > len(context):
+                continue
+            key = context[-n:]
+            found = []
+            for sid, pos in reversed(self.index[n].get(_ngram_hash(key), ())):
+                s = self.seqs.get(sid)
+                if s is None or pos >= len(s) or s[pos - n : pos] != key:
+                    continue  # evicted, nothing follows, or a hash collision
+                length = n
+                while length < max_match and length < pos and length < len(context) and \
+                        s[pos - length - 1] == context[-length - 1]:  # fmt: skip
+                    length += 1
+                found.append((length, len(found), [sid, pos]))
+                if len(found) == 4 * max_sources:
+                    break
+            if found:
+                found.sort(key=lambda f: (-f[0], f[1]))
+                return [f[2] for f in found[:max_sources]]
+        return []
 
 
 class RolloutCache:
@@ -364,20 +417,21 @@ class RolloutCache:
     that extends a cached prompt (a later turn whose prompt holds an earlier
     sample's context) is stored under that cached prompt, its extra tokens
     becoming part of the stored sequence. ``draft(prompt, generated,
-    max_draft_tokens)`` finds the longest context (up to ``max_match`` tokens,
-    anchored at the prompt's end when short) ending the sequence so far that
-    occurs in the stored sequences, and returns the continuations seen after
-    it as a token tree, most frequent first. Memory per prompt is bounded by
+    max_draft_tokens)`` finds where the end of ``prompt + generated`` (its
+    longest suffix, up to ``max_match`` tokens, anchored at the prompt's end
+    when short) occurs in the stored sequences and returns what followed, as
+    a token tree, most frequent first. Memory per prompt is bounded by
     ``max_tokens_per_prompt`` (oldest completions evicted first).
     """
 
-    def __init__(self, max_tokens_per_prompt: int = 1 << 16, max_match: int = 12, max_sources: int = 8):
+    def __init__(self, max_tokens_per_prompt: int = 1 << 16, max_match: int = 32, max_sources: int = 8):
         _check_int("max_tokens_per_prompt", max_tokens_per_prompt, 1)
         _check_int("max_match", max_match, 1)
         _check_int("max_sources", max_sources, 1)
         self.max_tokens_per_prompt = max_tokens_per_prompt
         self.max_match = max_match
         self.max_sources = max_sources
+        self.version = 0  # bumped by every add: drafters then look for new sources
         self._stores: dict[tuple[int, ...], _Store] = {}
         self._key_lengths: set[int] = set()
 
@@ -413,54 +467,91 @@ class RolloutCache:
         else:
             store, tail = found
         if tail or completion:
-            store.add(tail + completion, self.max_match)
-            store.evict_to(self.max_tokens_per_prompt, self.max_match)
+            store.add(tail + completion)
+            store.evict_to(self.max_tokens_per_prompt)
+        self.version += 1
+
+    def drafter(self, prompt) -> Drafter:
+        """A drafter for one sequence of ``prompt``: it follows its matches as the sequence grows."""
+        return Drafter(self, list(prompt))
 
     def draft(self, prompt, generated, max_draft_tokens: int) -> DraftTree:
         """A draft tree of at most ``max_draft_tokens`` tokens to follow ``prompt + generated``."""
-        found = self._find(list(prompt))
-        if found is None or max_draft_tokens <= 0:
+        return self.drafter(prompt).draft(list(generated), max_draft_tokens)
+
+
+class Drafter:
+    """Draft trees for one growing sequence.
+
+    Keeps pointers just past the stored occurrences of the sequence's end and
+    moves them along as tokens are generated, so the index is searched again
+    only when every pointer has diverged (or new completions arrived while
+    fewer than ``max_sources`` pointers are alive).
+    """
+
+    def __init__(self, cache: RolloutCache, prompt: list[int]):
+        self.cache, self.prompt = cache, prompt
+        self.pointers: list[list[int]] = []
+        self.store: _Store | None = None
+        self.seen = 0  # generated tokens the pointers account for
+        self.version = -1
+
+    def _advance(self, new: list[int]) -> None:
+        alive = []
+        for ptr in self.pointers:
+            s = self.store.seqs.get(ptr[0]) if self.store is not None else None
+            if s is not None and s[ptr[1] : ptr[1] + len(new)] == new and ptr[1] + len(new) < len(s):
+                alive.append([ptr[0], ptr[1] + len(new)])
+        self.pointers = alive
+
+    def draft(self, generated: list[int], max_draft_tokens: int) -> DraftTree:
+        if len(generated) < self.seen:
+            raise ValueError("a Drafter follows one growing sequence: generated tokens may only be appended")
+        self._advance(generated[self.seen :])
+        self.seen = len(generated)
+        cache = self.cache
+        if not self.pointers or (cache.version != self.version and len(self.pointers) < cache.max_sources):
+            self.version = cache.version
+            found = cache._find(self.prompt)
+            if found is not None:
+                self.store, tail = found
+                self.pointers = self.store.match([BOS] + tail + generated, cache.max_match, cache.max_sources)
+        if max_draft_tokens <= 0 or not self.pointers:
             return DraftTree()
-        store, tail = found
-        context = [BOS] + tail + list(generated)
-        for n in range(min(self.max_match, len(context)), 0, -1):
-            key = context[-n:]
-            hits = store.index[n - 1].get(hash(tuple(key)), []) if n <= len(store.index) else []
-            sources = []
-            for sid, pos in reversed(hits):  # most recent first
-                s = store.seqs.get(sid)
-                if s is not None and s[pos - n : pos] == key and pos < len(s):
-                    sources.append(s[pos : pos + max_draft_tokens])
-                    if len(sources) == self.max_sources:
-                        break
-            if sources:
-                return _most_frequent_tree(sources, max_draft_tokens)
-        return DraftTree()
+        continuations: dict[tuple[int, ...], int] = {}
+        for sid, pos in self.pointers:
+            c = tuple(self.store.seqs[sid][pos : pos + max_draft_tokens])
+            continuations[c] = continuations.get(c, 0) + 1
+        return _most_frequent_tree(continuations, max_draft_tokens)
 
 
-def _most_frequent_tree(continuations: list[list[int]], budget: int) -> DraftTree:
-    """The ``budget`` most frequent nodes of the continuations' trie (a node only with its parent)."""
-    counts: list[dict[int, list]] = [{}]  # node -> {token: [count, child node, first seen]}
-    for c in continuations:
+def _most_frequent_tree(continuations: dict[tuple[int, ...], int], budget: int) -> DraftTree:
+    """The ``budget`` most frequent nodes of the continuations' trie (a node only with its parent).
+
+    ``continuations`` maps each distinct continuation to how often it was seen,
+    in order of preference for ties.
+    """
+    counts: list[dict[int, list]] = [{}]  # node -> {token: [count, child node]}
+    for c, weight in continuations.items():
         node = 0
         for t in c:
             entry = counts[node].get(t)
             if entry is None:
-                entry = counts[node][t] = [0, len(counts), len(counts)]
+                entry = counts[node][t] = [0, len(counts)]
                 counts.append({})
-            entry[0] += 1
+            entry[0] += weight
             node = entry[1]
     chosen: dict[int, list[int]] = {0: []}  # chosen trie node -> chosen children (trie nodes)
     token_of = {}
-    heap = [(-e[0], e[2], 0, t, e[1]) for t, e in counts[0].items()]
+    heap = [(-e[0], e[1], 0, t) for t, e in counts[0].items()]  # trie node ids order ties by first sight
     heapq.heapify(heap)
     while heap and len(token_of) < budget:
-        _, _, parent, t, node = heapq.heappop(heap)
+        _, node, parent, t = heapq.heappop(heap)
         chosen[parent].append(node)
         chosen[node] = []
         token_of[node] = t
         for tt, e in counts[node].items():
-            heapq.heappush(heap, (-e[0], e[2], node, tt, e[1]))
+            heapq.heappush(heap, (-e[0], e[1], node, tt))
     rank = {node: i for i, node in enumerate(token_of)}  # selection order: most frequent first
     tree = DraftTree()
     stack = [(child, -1) for child in sorted(chosen[0], key=rank.get, reverse=True)]
@@ -488,6 +579,7 @@ class _Sequence:
 
     prompt: list[int]
     budget: DraftBudget
+    drafter: Drafter | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
@@ -502,7 +594,9 @@ class SpeculativeRun:
     """
 
     def __init__(self, prompts, max_new_tokens, cache, params, max_draft_tokens):
-        self.seqs = [_Sequence(p, DraftBudget(max_draft_tokens)) for p in prompts]
+        self.seqs = [
+            _Sequence(p, DraftBudget(max_draft_tokens), None if cache is None else cache.drafter(p)) for p in prompts
+        ]
         self.max_new_tokens, self.cache, self.params = max_new_tokens, cache, params
         self.stats = {"generated_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0, "verify_steps": 0,
                       "sequence_steps": 0}  # fmt: skip
@@ -518,7 +612,7 @@ class SpeculativeRun:
         for i in active:
             s = self.seqs[i]
             size = min(s.budget.size(), self.max_new_tokens - len(s.tokens) - 1)
-            out.append(self.cache.draft(s.prompt, s.tokens, size) if size > 0 else DraftTree())
+            out.append(s.drafter.draft(s.tokens, size) if size > 0 else DraftTree())
         return out
 
     def finish_step(self, active, drafts, sampled: list[list[int]], logprobs: list[list[float]]) -> list[Walk]:
