@@ -27,7 +27,9 @@ window; the schedule costs one host sync (the number of live block pairs).
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -37,6 +39,34 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Let Triton 3.6's interpreter run these kernels under NumPy >= 2.4.
+
+    The interpreter holds a scalar as a 1-element array and takes ``int()`` of
+    it for a loop bound read from memory (``range(start, stop)`` below); NumPy
+    2.4 refuses ``int()`` of a 1-D array. Later Triton releases squeeze the
+    array first; this does the same where the installed interpreter does not.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_scalars", False):
+        return
+    if list(inspect.signature(original).parameters) != ["tensor", "scope"]:
+        return  # an interpreter this was not written for: leave it alone
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRET and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    _fix_interpreter_loop_bounds()
 
 
 # ---------------------------------------------------------------- schedule
@@ -215,6 +245,12 @@ def _visible(pos_m, offs_n, end_n):
     return (offs_n[None, :] <= pos_m[:, None]) & (pos_m[:, None] < end_n[None, :])
 
 
+@triton.jit
+def _row_nan(x):
+    """[R] float32: 0 for each row of x [R, C] whose entries are all finite, NaN otherwise (x * 0)."""
+    return tl.sum(x.to(tl.float32) * 0.0, 1)
+
+
 @triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def tree_attention_fwd_kernel(
@@ -267,7 +303,11 @@ def tree_attention_fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
         if not full:
-            s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
+            # p = 0 times a non-finite value row is NaN: zero such rows and carry their NaN in the
+            # scores of the queries that see them, so it reaches those queries alone
+            v_nan = _row_nan(v)  # [BLOCK_N] 0, or NaN where the row is not finite
+            s = tl.where(_visible(pos_m, offs_n, end_n), s + v_nan[None, :], float("-inf"))
+            v = tl.where((v_nan == 0)[:, None], v, 0.0)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -372,11 +412,21 @@ def tree_attention_bwd_dkdv_kernel(
             q_first = q_offset + m * BLOCK_M
             q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
             full = (k_last <= q_first) & (min_end > q_last)
-            if not full:
-                p_t = tl.where(tl.trans(_visible(pos_m, offs_n, end_n)), p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            ds_t = p_t * (dp_t - delta[None, :])
+            if full:
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+                ds_t = p_t * (dp_t - delta[None, :])
+            else:
+                # select, never multiply by zero: a non-finite q or dO row of a query reaches only
+                # the keys it sees (zeroed for the products, its NaN carried on its visible entries)
+                visible_t = tl.trans(_visible(pos_m, offs_n, end_n))  # [BLOCK_N, BLOCK_M]
+                do_nan = _row_nan(do)
+                q = tl.where((_row_nan(q) == 0)[:, None], q, 0.0)
+                do = tl.where((do_nan == 0)[:, None], do, 0.0)
+                p_t = tl.where(visible_t, p_t + do_nan[None, :], 0.0)
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds_t = tl.where(visible_t, p_t * (dp_t - delta[None, :]), 0.0)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
 
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
@@ -440,10 +490,14 @@ def tree_attention_bwd_dq_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(s - lse[:, None])
         full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
-        if not full:
-            p = tl.where(_visible(pos_m, offs_n, end_n), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        ds = p * (dp - delta[:, None])
+        if full:
+            ds = p * (dp - delta[:, None])
+        else:
+            # a non-finite key row reaches only the queries that see it (through p there)
+            visible = _visible(pos_m, offs_n, end_n)
+            ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
+            k = tl.where((_row_nan(k) == 0)[:, None], k, 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
@@ -609,6 +663,9 @@ def _check_inputs(q, k, v):
         raise ValueError(f"tree_attention needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for name, x in (("q", q), ("k", k)):
+        if 0 in x.shape[1:]:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}: heads, tokens and head dim must be at least 1")
     B, Hq, Tq, D = q.shape
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch or head dim")
@@ -638,7 +695,9 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     if schedule is None:
         if subtree_end is None:
             raise ValueError("tree_attention needs subtree_end (or a schedule)")
-        if isinstance(subtree_end, torch.Tensor) and subtree_end.shape[-1:] != (Tk,):
+        if not isinstance(subtree_end, torch.Tensor):
+            raise TypeError(f"subtree_end must be an integer tensor [Tk] or [B, Tk], got {type(subtree_end).__name__}")
+        if subtree_end.shape[-1:] != (Tk,):
             raise ValueError(f"subtree_end has shape {tuple(subtree_end.shape)}, but k has {Tk} keys")
         schedule = build_schedule(subtree_end.to(q.device), Tq)
     elif subtree_end is not None:
@@ -652,6 +711,10 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
     if schedule.subtree_end.device != q.device:
         raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)

@@ -7,6 +7,7 @@ The fast path (dta_fast.tree_attention) computes the same function from
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from einops import repeat
@@ -41,7 +42,9 @@ def attention(q, k, v, mask, scale=None):
 
     q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D] with Hq a multiple of Hkv (GQA);
     mask broadcastable to [B, Hq, Tq, Tk]. Returns [B, Hq, Tq, D] in q's dtype.
-    Every query must be allowed at least one key.
+    Every query must be allowed at least one key. A key a query may not attend
+    never reaches its output or gradients, even when the key's rows hold NaN
+    or inf; a query that attends a non-finite value row gets NaN.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -52,6 +55,9 @@ def attention(q, k, v, mask, scale=None):
             raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("q", q), ("k", k)):
+        if 0 in x.shape[1:]:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}: heads, tokens and head dim must be at least 1")
     B, Hq, Tq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -71,13 +77,64 @@ def attention(q, k, v, mask, scale=None):
     if not bool(mask.any(dim=-1).all()):
         raise ValueError("mask has a query row with no allowed key; softmax over it is undefined")
 
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = 1.0 / math.sqrt(D) if scale is None else _check_scale(scale)
     group = Hq // Hkv
     k = repeat(k, "b h t d -> b (h g) t d", g=group)
     v = repeat(v, "b h t d -> b (h g) t d", g=group)
     # Low-precision inputs are computed in float32, as every fused kernel does.
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.to(compute)).to(q.dtype)
+    out = _MaskedAttention.apply(q.to(compute), k.to(compute), v.to(compute), mask, scale)
+    return out.to(q.dtype)
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _masked_matmul(a, b, mask):
+    """sum over k with mask[m, k] of a[m, k] * b[k]: [..., M, N], for a [..., M, K] that is 0 where ~mask.
+
+    A plain a @ b would add 0 * NaN = NaN from a non-finite row of b to every
+    row m; here such a row reaches only the rows m that select it (as NaN).
+    """
+    bad = ~torch.isfinite(b).all(-1)  # [..., K]
+    out = torch.matmul(a, b.masked_fill(bad[..., None], 0.0))
+    reached = (mask & bad[..., None, :]).any(-1)  # [..., M]
+    return out.masked_fill(reached[..., None], float("nan"))
+
+
+class _MaskedAttention(torch.autograd.Function):
+    """softmax(q k^T * scale over the allowed keys) v, forward and backward over allowed pairs only.
+
+    Every output and gradient element is computed from the (query, key) pairs
+    the mask allows and nothing else, so a NaN or inf in one rollout's rows
+    never reaches a query (or a key's gradient) of another: masked entries are
+    selected away, never multiplied by zero. The backward is the textbook one,
+    written out with the same selection (tests/test_reference_attention.py
+    checks it against autograd on finite inputs).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        probs = probs.masked_fill(~mask, 0.0)  # a NaN row's softmax is NaN on masked entries too
+        ctx.save_for_backward(q, k, v, mask, probs)
+        ctx.scale = scale
+        return _masked_matmul(probs, v, mask)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, probs = ctx.saved_tensors
+        mask_t = mask.transpose(-1, -2)
+        grad_v = _masked_matmul(probs.transpose(-1, -2), grad_out, mask_t)
+        grad_probs = torch.matmul(grad_out, v.transpose(-1, -2)).masked_fill(~mask, 0.0)
+        delta = (probs * grad_probs).sum(-1, keepdim=True)
+        grad_scores = torch.where(mask, probs * (grad_probs - delta), 0.0) * ctx.scale
+        grad_q = _masked_matmul(grad_scores, k, mask)
+        grad_k = _masked_matmul(grad_scores.transpose(-1, -2), q, mask_t)
+        return grad_q, grad_k, grad_v, None, None
