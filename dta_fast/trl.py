@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-import dta_ref
-from dta_ref.losses import TokenLoss
 from dta_ref.padded import PaddedLayout
 
+from ._trainers import LinearizedLoss, packed_logprobs_and_entropy
 from .engine import tree_backward
 from .tree import build_tree
 
@@ -50,23 +49,6 @@ class TreeGRPOConfig(GRPOConfig):
             "through dta_fast.tree_backward instead of one packed forward (None: one packed forward)."
         },
     )
-
-
-class _LinearLoss(TokenLoss):
-    """sum(weights * logprobs): a loss linearised at the current logprobs (weights = d loss / d logprob)."""
-
-    def _term(self, seq, step, logprobs):
-        return logprobs
-
-
-def tree_token_logprobs(model, tree, temperature: float = 1.0):
-    """Logprobs and entropies of a tree: the Triton kernel on CUDA, the explicit-mask reference elsewhere."""
-    cuda = next(dta_ref.adapt(model).core.parameters()).is_cuda
-    if cuda:
-        from .logprobs import tree_logprobs_and_entropy
-    else:
-        from dta_ref.logprobs import tree_logprobs_and_entropy
-    return tree_logprobs_and_entropy(model, tree, temperature=temperature)
 
 
 class TreeGRPOTrainer(GRPOTrainer):
@@ -108,7 +90,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             tree = build_tree(layout.sequences(ids))
             self._log_compression(tree)
             with self.accelerator.autocast():
-                out = tree_token_logprobs(model, tree, self.temperature)
+                out = packed_logprobs_and_entropy(model, tree, self.temperature)
             logps.append(layout.from_tree(out.logprobs, first, logits_to_keep))
             entropies.append(layout.from_tree(out.entropy, first, logits_to_keep))
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
@@ -144,7 +126,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
             tree_backward(
-                unwrapped, tree, _LinearLoss(weights), memory_budget_bytes=self._memory_budget,
+                unwrapped, tree, LinearizedLoss(weights), memory_budget_bytes=self._memory_budget,
                 temperature=self.temperature,
             )  # fmt: skip
         return loss  # depends on the leaf only: the trainer's backward of it leaves the parameters alone

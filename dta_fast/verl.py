@@ -1,0 +1,74 @@
+"""verl's actor log-probabilities from one prefix tree per micro-batch.
+
+verl's PPO actor scores a micro-batch laid out as ``input_ids`` /
+``attention_mask`` / ``position_ids`` [B, L] (a left-padded prompt followed
+by the right-padded response block) and ``responses`` [B, R], the last R
+columns of ``input_ids``; it returns, per response token, the log-probability
+under ``logits / temperature`` and optionally the entropy, both [B, R], zero
+where the response is padding. :func:`verl_log_probs` returns the same from
+one packed forward over the prefix tree of the micro-batch's rows (OpenRLHF's
+actor lays its batch out the same way: ``sequences`` with an
+``attention_mask`` and the action block at the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dta_ref.padded import PaddedLayout
+
+from .tree import build_tree
+from ._trainers import packed_logprobs_and_entropy
+
+
+@dataclass
+class ResponseLogProbs:
+    """Per response token [B, R]: log-probability, and entropy when asked for (else None)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def verl_log_probs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    responses: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+) -> ResponseLogProbs:
+    """log p(response token) and the entropy, [B, R], for a verl micro-batch, through one prefix tree.
+
+    ``position_ids`` must be verl's text positions (the running count of
+    tokens, as ``compute_position_id_with_mask`` makes them): the tree gives
+    every token its depth, which is that count. Multimodal 3-D positions
+    (mrope) are refused.
+    """
+    if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
+        raise ValueError(f"responses must be a 2-D tensor [batch, response_length], got {getattr(responses, 'shape', responses)}")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids must be [batch, length] like input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(getattr(position_ids, 'shape', ()))} (multimodal 3-D positions are not supported)"
+        )
+    batch, width = input_ids.shape
+    response_length = responses.shape[1]
+    if responses.shape[0] != batch or response_length > width:
+        raise ValueError(f"responses {tuple(responses.shape)} must be the last columns of input_ids {(batch, width)}")
+    if not torch.equal(responses, input_ids[:, width - response_length :]):
+        raise ValueError("responses must equal the last response_length columns of input_ids")
+    layout = PaddedLayout.of(attention_mask)
+    columns = torch.arange(width, device=position_ids.device)
+    depth = columns - layout.start.to(position_ids.device)[:, None]
+    real = attention_mask.bool().to(position_ids.device)
+    if not torch.equal(position_ids[real], depth[real]):
+        raise ValueError("position_ids must count the tokens of each row from 0 (verl's text positions)")
+    tree = build_tree(layout.sequences(input_ids))
+    out = packed_logprobs_and_entropy(model, tree, temperature)
+    first = width - response_length
+    entropy = layout.from_tree(out.entropy, first, response_length) if calculate_entropy else None
+    return ResponseLogProbs(layout.from_tree(out.logprobs, first, response_length), entropy)

@@ -1,0 +1,196 @@
+"""Models as trainers hand them over: gradient checkpointing, PEFT LoRA, torch.compile, train and eval mode.
+
+Each case compares the tree path's logprobs and parameter gradients (both
+twins) with the same model run on each rollout alone, in float32 (Hugging
+Face models compute RMSNorm in float32 anyway), on a batch with a shared
+prompt, a branch point, a rollout that is a prefix of another and a second root.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import dta_fast
+import dta_ref
+from dta_ref import PrefixTree
+from tests.helpers import HF_FAMILIES, tiny_decoder, tiny_hf_model
+
+pytestmark = pytest.mark.kernel
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SEQUENCES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 7], [1, 2, 9, 10, 11, 12, 13], [4, 5, 6]]
+TREE = PrefixTree.from_sequences(SEQUENCES)
+TWINS = {"ref": dta_ref.tree_logprobs, "fast": dta_fast.tree_logprobs}
+
+
+def loss_of(logprobs):
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0))
+    return (logprobs * weights.to(logprobs.dtype) * TREE.logprob_mask).sum()
+
+
+def grads_by_backward(model, logprobs_fn):
+    """Logprobs and d loss / d trainable parameter through ``loss.backward()``.
+
+    ``backward()`` rather than ``autograd.grad``: reentrant checkpointing supports only the former.
+    """
+    model.zero_grad(set_to_none=True)
+    logprobs = logprobs_fn()
+    loss_of(logprobs).backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+    return logprobs.detach(), torch.cat([g.reshape(-1) for g in grads])
+
+
+def assert_matches_each_rollout_alone(model, truth_model=None, twins=TWINS):
+    """Both twins' logprobs and gradients equal the per-sequence run of ``truth_model`` (default: ``model``)."""
+    truth_model = model if truth_model is None else truth_model
+    want_lp, want = grads_by_backward(truth_model, lambda: dta_ref.flat_logprobs(truth_model, SEQUENCES))
+    assert want.norm() > 0
+    for name, fn in twins.items():
+        lp, got = grads_by_backward(model, lambda fn=fn: fn(model, TREE))
+        torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5, msg=f"{name}: logprobs")
+        err = float((got - want).norm() / want.norm())
+        assert err < 1e-5, f"{name}: parameter gradients {err:.2e} (relative) away from each rollout alone"
+
+
+def checkpointing(model, reentrant: bool):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:  # reentrant checkpointing needs an input that requires grad, as trainers arrange
+        model.enable_input_require_grads()
+    return model.train()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_hf_gradient_checkpointing(family, impl, reentrant):
+    model = tiny_hf_model(family, torch.float32, impl, seed=3).to(DEVICE)
+    truth = copy.deepcopy(model).train()
+    assert_matches_each_rollout_alone(checkpointing(model, reentrant), truth)
+    assert model.config._attn_implementation == impl  # the route never touches the config
+
+
+class CheckpointedLayer(torch.nn.Module):
+    """A decoder layer under torch.utils.checkpoint, as a user wraps layers by hand."""
+
+    def __init__(self, layer, reentrant: bool):
+        super().__init__()
+        self.layer, self.reentrant = layer, reentrant
+
+    def forward(self, hidden, *args, **kwargs):
+        return checkpoint(functools.partial(self.layer, **kwargs), hidden, *args, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_torch_checkpoint_around_hf_layers(reentrant):
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=4).to(DEVICE).train()
+    truth = copy.deepcopy(model)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = CheckpointedLayer(layers[i], reentrant)
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    assert_matches_each_rollout_alone(model, truth)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_torch_checkpoint_around_reference_decoder_layers(reentrant):
+    model = tiny_decoder(torch.float64, seed=5).to(DEVICE)
+    truth = copy.deepcopy(model)
+    for i in range(len(model.layers)):
+        model.layers[i] = CheckpointedLayer(model.layers[i], reentrant)
+    model.embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    assert_matches_each_rollout_alone(model, truth, twins={"ref": dta_ref.tree_logprobs})
+
+
+def lora_model(family, seed=6):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(tiny_hf_model(family, torch.float32, "sdpa", seed=seed).to(DEVICE), config)
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_peft_lora(family):
+    pytest.importorskip("peft")
+    model = lora_model(family)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert_matches_each_rollout_alone(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_peft_lora_with_gradient_checkpointing(reentrant):
+    pytest.importorskip("peft")
+    model = lora_model("qwen2", seed=7)
+    truth = copy.deepcopy(model).train()
+    assert_matches_each_rollout_alone(checkpointing(model, reentrant), truth)
+
+
+def test_peft_adapter_disabled_is_the_base_model():
+    """TRL scores the reference policy of a LoRA model with its adapter disabled."""
+    pytest.importorskip("peft")
+    model = lora_model("llama", seed=8)
+    with model.disable_adapter():
+        want = dta_ref.flat_logprobs(model.get_base_model(), SEQUENCES)
+        for fn in TWINS.values():
+            torch.testing.assert_close(fn(model, TREE), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(dta_fast.tree_logprobs(model, TREE), want, atol=1e-3)
+
+
+def test_torch_compiled_model():
+    model = tiny_hf_model("qwen3", torch.float32, "sdpa", seed=9).to(DEVICE)
+    compiled = torch.compile(model)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert dta_ref.adapt(compiled).core is model
+    assert_matches_each_rollout_alone(compiled, model)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("family", ["decoder", *HF_FAMILIES])
+def test_train_and_eval_mode(family, mode):
+    model = tiny_decoder(torch.float32, seed=10) if family == "decoder" else tiny_hf_model(family, torch.float32)
+    getattr(model.to(DEVICE), mode)()
+    assert_matches_each_rollout_alone(model)
+
+
+def test_adapter_answers_for_every_wrapper():
+    pytest.importorskip("peft")
+    model = lora_model("qwen2", seed=11)
+    for wrapped in (model, torch.compile(model)):
+        adapter = dta_ref.adapt(wrapped)
+        assert adapter.core is model.get_base_model()
+        assert adapter.head is adapter.core.lm_head
+        assert adapter.embedding is adapter.core.model.embed_tokens
+        assert adapter.vocab_size == 64
+        assert adapter.shape.layers == 2 and adapter.shape.kv_heads == 2 and adapter.shape.head_dim == 8
+    assert dta_ref.adapt(adapter) is adapter
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: torch.nn.Linear(4, 4), "unsupported model Linear"),
+        (lambda: "qwen2", "must be a torch.nn.Module"),
+        (lambda: tiny_hf_model("qwen2").model, "has no language-model head"),
+        (lambda: torch.nn.DataParallel(tiny_decoder()), "DataParallel is not supported"),
+    ],
+    ids=["plain-module", "a-string", "base-model-without-head", "data-parallel"],
+)
+def test_models_that_are_refused(build, message):
+    with pytest.raises(TypeError, match=message):
+        dta_fast.tree_logprobs(build(), TREE)
+
+
+def test_sequence_classification_model_is_refused():
+    import transformers
+
+    config = tiny_hf_model("qwen2").config
+    config.num_labels = 2
+    model = transformers.Qwen2ForSequenceClassification(config)
+    with pytest.raises(TypeError, match="has no language-model head"):
+        dta_ref.tree_logprobs(model, TREE)

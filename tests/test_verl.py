@@ -1,0 +1,79 @@
+"""verl_log_probs on tensors laid out exactly as verl's actor receives them, against verl's own padded forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dta_fast.verl import verl_log_probs
+from tests.helpers import tiny_hf_model
+
+PAD = 0
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.kernel
+
+
+def verl_micro_batch(prompts, responses):
+    """input_ids / attention_mask / position_ids [B, P+R] and responses [B, R] as verl builds them.
+
+    Prompts are left-padded to the longest prompt, responses right-padded to
+    the longest response; positions are ``clip(cumsum(mask) - 1, min=0)``.
+    """
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    ids, mask = [], []
+    for p, r in zip(prompts, responses, strict=True):
+        ids.append([PAD] * (P - len(p)) + p + r + [PAD] * (R - len(r)))
+        mask.append([0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)))
+    input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
+    position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    return input_ids, attention_mask, position_ids, input_ids[:, P:]
+
+
+def verl_reference(model, input_ids, attention_mask, position_ids, responses, temperature):
+    """verl's actor without padding removal: one padded forward, logits of the response block."""
+    R = responses.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logp = torch.log_softmax(logits[:, -R - 1 : -1].float() / temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, responses[..., None])[..., 0], entropy
+
+
+PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10], [11]]
+RESPONSES = [[20, 21, 22], [20, 21, 23, 24, 25], [30], [20, 21, 22], [40, 41], [50, 51, 52, 53]]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_verl_log_probs_equal_verls_padded_forward(family, temperature):
+    model = tiny_hf_model(family, torch.float32, "sdpa", seed=2).to(DEVICE).train()
+    batch = tuple(x.to(DEVICE) for x in verl_micro_batch(PROMPTS, RESPONSES))
+    response_mask = batch[1][:, -batch[3].shape[1] :].bool()
+    out = verl_log_probs(model, *batch, temperature=temperature, calculate_entropy=True)
+    want_lp, want_entropy = verl_reference(model, *batch, temperature)
+    torch.testing.assert_close(out.log_probs[response_mask], want_lp[response_mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy[response_mask], want_entropy[response_mask], rtol=1e-5, atol=1e-5)
+    assert (out.log_probs[~response_mask] == 0).all() and (out.entropy[~response_mask] == 0).all()
+    # and the same gradient for a loss over the response tokens
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE) * response_mask
+    got = torch.autograd.grad((out.log_probs * weights).sum(), list(model.parameters()))
+    want = torch.autograd.grad((want_lp * weights).sum(), list(model.parameters()))
+    got, want = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in want])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert verl_log_probs(model, *batch).entropy is None
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: (b[0], b[1], b[2], b[3].roll(1, 0)), "last response_length columns"),
+        (lambda b: (b[0], b[1], b[2] + 1, b[3]), "count the tokens of each row"),
+        (lambda b: (b[0], b[1], b[2][:, None].expand(-1, 3, -1), b[3]), "multimodal 3-D positions"),
+        (lambda b: (b[0], b[1], b[2], b[3][0]), "responses must be a 2-D tensor"),
+        (lambda b: (b[0], torch.where(b[1] == 1, 1, 0).index_fill(1, torch.tensor([5]), 0), b[2], b[3]), "contiguous"),
+    ],
+    ids=["responses-not-the-tail", "shifted-positions", "mrope-positions", "1-d-responses", "gap-in-mask"],
+)
+def test_verl_layout_errors(change, message):
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa")
+    with pytest.raises(ValueError, match=message):
+        verl_log_probs(model, *change(verl_micro_batch(PROMPTS, RESPONSES)))
