@@ -4,11 +4,19 @@ Every loss here is a weighted sum of per-token terms, ``sum(term * weight)``,
 where the weights come from the loss mask and the normalisation only. That is
 what lets the same loss be split per sequence (depth-first execution) or per
 rank (distributed) without changing its value or its gradient.
+
+Masked-out tokens never matter: their logprobs, old logprobs and advantages
+are selected away before any arithmetic (never multiplied by a zero weight),
+so a NaN or inf there (a padded position, a group with no reward spread)
+changes neither the loss nor its gradient. Non-finite inputs at masked-in
+tokens are refused.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 
 import torch
 
@@ -23,12 +31,50 @@ def _check_padded(name: str, x, shape=None) -> torch.Tensor:
     return x
 
 
-def _check_policy_inputs(old_logprobs, advantages, loss_mask, shape) -> None:
+def _check_floating(name: str, x: torch.Tensor) -> None:
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def _check_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The loss mask as bool: a bool tensor, or numbers that are all 0 or 1."""
+    if loss_mask.dtype == torch.bool:
+        return loss_mask
+    if loss_mask.dtype.is_complex or not bool(((loss_mask == 0) | (loss_mask == 1)).all()):
+        raise ValueError(f"loss_mask must be bool (or hold only 0 and 1), got dtype {loss_mask.dtype}")
+    return loss_mask != 0
+
+
+def _check_real(name: str, value, low: float, inclusive: bool = True) -> float:
+    """A finite real number >= low (> low unless inclusive), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < low or (value == low and not inclusive):
+        raise ValueError(f"{name} must be finite and {'>=' if inclusive else '>'} {low:g}, got {value}")
+    return value
+
+
+def _check_finite_where(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+    if x.dtype.is_floating_point and not bool(torch.isfinite(x).logical_or(~mask).all()):
+        bad = (~torch.isfinite(x) & mask).nonzero()[0].tolist()
+        raise ValueError(f"{name} is not finite at masked-in position {tuple(bad)}: {x[tuple(bad)].item()}")
+
+
+def _check_policy_inputs(old_logprobs, advantages, loss_mask, shape) -> torch.Tensor:
+    """Checks the policy-gradient inputs; returns the loss mask as bool."""
     _check_padded("old_logprobs", old_logprobs, shape)
+    _check_floating("old_logprobs", old_logprobs)
     _check_padded("loss_mask", loss_mask, shape)
+    mask = _check_mask(loss_mask)
     _check_padded("advantages", advantages)
     if advantages.shape not in (shape[:1], shape):
         raise ValueError(f"advantages must be [N] or [N, L] = {tuple(shape)}, got shape {tuple(advantages.shape)}")
+    if advantages.dtype == torch.bool or advantages.dtype.is_complex:
+        raise TypeError(f"advantages must be real numbers, got {advantages.dtype}")
+    _check_finite_where("old_logprobs", old_logprobs, mask)
+    _check_finite_where("advantages", advantages if advantages.dim() == 2 else advantages[:, None].expand(shape), mask)
+    return mask
 
 
 def token_weights(loss_mask: torch.Tensor, normalization: str = "token_mean") -> torch.Tensor:
@@ -40,11 +86,13 @@ def token_weights(loss_mask: torch.Tensor, normalization: str = "token_mean") ->
       sequences without a valid token are left out of the mean.
     - ``sum``: every valid token weighs 1.
     """
-    if not isinstance(loss_mask, torch.Tensor) or loss_mask.dim() != 2:
-        raise ValueError(f"loss_mask must be a 2-D tensor [N, L], got {getattr(loss_mask, 'shape', loss_mask)}")
-    if normalization not in NORMALIZATIONS:
+    if not isinstance(loss_mask, torch.Tensor):
+        raise TypeError(f"loss_mask must be a tensor [N, L], got {type(loss_mask).__name__}")
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must be a 2-D tensor [N, L], got shape {tuple(loss_mask.shape)}")
+    if not isinstance(normalization, str) or normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-    mask = loss_mask.to(torch.float64)
+    mask = _check_mask(loss_mask).to(torch.float64)
     if normalization == "sum":
         return mask
     if normalization == "token_mean":
@@ -61,9 +109,10 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     clip-higher. ``dual_clip`` (c > 1) bounds the loss of negative-advantage
     tokens by -c A, as in dual-clip PPO.
     """
-    clip_high = clip_low if clip_high is None else clip_high
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip ranges must be non-negative, got low={clip_low}, high={clip_high}")
+    clip_low = _check_real("clip_low", clip_low, 0.0)
+    clip_high = clip_low if clip_high is None else _check_real("clip_high", clip_high, 0.0)
+    if dual_clip is not None:
+        dual_clip = _check_real("dual_clip", dual_clip, 1.0, inclusive=False)
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)
@@ -71,8 +120,6 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     terms = -torch.minimum(unclipped, clipped)
     if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         terms = torch.where(advantages < 0, torch.minimum(terms, -dual_clip * advantages), terms)
     return terms
 
@@ -93,22 +140,28 @@ def policy_gradient_loss(
     sequence, as in GRPO) or [N, L] (per token, as in PPO with GAE).
     """
     _check_padded("logprobs", logprobs)
+    _check_floating("logprobs", logprobs)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, L], got shape {tuple(logprobs.shape)}")
-    _check_policy_inputs(old_logprobs, advantages, loss_mask, logprobs.shape)
+    mask = _check_policy_inputs(old_logprobs, advantages, loss_mask, logprobs.shape)
+    weights = token_weights(mask, normalization).to(logprobs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand(logprobs.shape)
+    logprobs, old_logprobs, advantages = (torch.where(mask, x, 0) for x in (logprobs, old_logprobs, advantages))
     terms = clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
-    weights = token_weights(loss_mask, normalization).to(terms.dtype)
     return (terms * weights).sum()
 
 
 def sft_loss(logprobs, loss_mask, normalization: str = "token_mean"):
     """Negative log-likelihood of the masked tokens."""
     _check_padded("logprobs", logprobs)
+    _check_floating("logprobs", logprobs)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, L], got shape {tuple(logprobs.shape)}")
     _check_padded("loss_mask", loss_mask, logprobs.shape)
-    weights = token_weights(loss_mask, normalization).to(logprobs.dtype)
-    return -(logprobs * weights).sum()
+    mask = _check_mask(loss_mask)
+    weights = token_weights(mask, normalization).to(logprobs.dtype)
+    return -(torch.where(mask, logprobs, 0) * weights).sum()
 
 
 class TokenLoss:
@@ -168,15 +221,45 @@ class TokenLoss:
         return picked
 
     def terms(self, seq: torch.Tensor, step: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """Weighted terms of the (seq[p], step[p]) tokens whose logprobs are ``logprobs[p]``."""
+        """Weighted terms of the (seq[p], step[p]) tokens whose logprobs are ``logprobs[p]``.
+
+        A token of weight 0 gives exactly 0 and no gradient, whatever its logprob (NaN included).
+        """
         weights = self.weights.to(logprobs.device)[seq, step].to(logprobs.dtype)
-        return self._term(seq, step, logprobs) * weights
+        active = weights != 0
+        terms = self._term(seq, step, torch.where(active, logprobs, 0))
+        return torch.where(active, terms * weights, 0)
+
+    def check_lengths(self, lengths: torch.Tensor) -> None:
+        """Raise ValueError unless the loss is built for sequences of these lengths.
+
+        Its shape must be [N, max(lengths) - 1] and no token past a sequence's
+        last next-token logprob may carry weight (a mask True there would count
+        in the normalisation a token that has no logprob).
+        """
+        expected = (lengths.numel(), int(lengths.max()) - 1 if lengths.numel() else 0)
+        if self.shape != expected:
+            raise ValueError(f"loss_fn was built for logprobs of shape {self.shape}, the tree has {expected}")
+        steps = torch.arange(self.shape[1], device=self.weights.device)
+        past_end = steps[None, :] >= (lengths.to(self.weights.device)[:, None] - 1)
+        if bool((self.weights != 0).logical_and(past_end).any()):
+            i, t = (self.weights != 0).logical_and(past_end).nonzero()[0].tolist()
+            raise ValueError(
+                f"the loss mask is True at step {t} of sequence {i}, past its last next-token logprob "
+                f"(step {int(lengths[i]) - 2}): mask only steps t < length - 1"
+            )
 
     def __call__(self, i: int, logprobs_i: torch.Tensor) -> torch.Tensor:
-        if logprobs_i.dim() != 1 or logprobs_i.shape[0] > self.weights.shape[1]:
+        if not isinstance(logprobs_i, torch.Tensor) or logprobs_i.dim() != 1 or logprobs_i.shape[0] > self.shape[1]:
             raise ValueError(
                 f"logprobs of sequence {i} must be 1-D of length <= {self.weights.shape[1]}, "
-                f"got shape {tuple(logprobs_i.shape)}"
+                f"got shape {tuple(getattr(logprobs_i, 'shape', ()))}"
+            )
+        _check_floating("logprobs", logprobs_i)
+        n = logprobs_i.shape[0]
+        if bool((self.weights[i, n:] != 0).any()):
+            raise ValueError(
+                f"the loss mask is True past the {n} logprobs of sequence {i}: mask only steps t < length - 1"
             )
         steps = torch.arange(logprobs_i.shape[0], device=logprobs_i.device)
         seq = torch.full_like(steps, i)
@@ -201,12 +284,14 @@ class PolicyGradientLoss(TokenLoss):
         dual_clip: float | None = None,
     ):
         _check_padded("old_logprobs", old_logprobs)
-        _check_policy_inputs(old_logprobs, advantages, loss_mask, old_logprobs.shape)
-        super().__init__(token_weights(loss_mask, normalization))
-        self.old_logprobs = old_logprobs.detach()
-        self.advantages = advantages.detach() if advantages.dim() == 2 else advantages.detach()[:, None].expand_as(
-            old_logprobs
-        )
+        if old_logprobs.dim() != 2:
+            raise ValueError(f"old_logprobs must be [N, L], got shape {tuple(old_logprobs.shape)}")
+        mask = _check_policy_inputs(old_logprobs, advantages, loss_mask, old_logprobs.shape)
+        super().__init__(token_weights(mask, normalization))
+        advantages = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(old_logprobs)
+        # masked-out tokens are selected away here, so a NaN there never meets a logprob
+        self.old_logprobs = torch.where(mask, old_logprobs.detach(), 0)
+        self.advantages = torch.where(mask, advantages.detach(), 0)
         self.clip = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
         clipped_policy_gradient_terms(old_logprobs[:1, :1], old_logprobs[:1, :1], self.advantages[:1, :1], **self.clip)
 
@@ -221,6 +306,7 @@ class SFTLoss(TokenLoss):
     """:func:`sft_loss` as a per-sequence ``loss_fn(i, logprobs_i)``."""
 
     def __init__(self, loss_mask, normalization: str = "token_mean"):
+        _check_padded("loss_mask", loss_mask)
         super().__init__(token_weights(loss_mask, normalization))
 
     def _term(self, seq, step, logprobs):
