@@ -33,9 +33,11 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import dta_fast
+from dta_fast.engine import MemoryModel, _choose_plan, _Forest, _plan_for_budget, chunk_tokens_for_budget, plan_chunks
 from dta_fast.logprobs import rows_logprobs
 from dta_ref import PrefixTree, SFTLoss, agentic_batch, grpo_batch, sft_loss
 
@@ -50,6 +52,28 @@ MODELS = {
     ),
 }  # fmt: skip
 
+def irregular_agentic_batch(num_tasks=4, rollouts_per_task=4, min_turns=4, max_turns=12, min_len=40, max_len=900,
+                            system_len=4800, task_len=200, vocab_size=151936, seed=0):  # fmt: skip
+    """Agentic rollouts with irregular turns: a random number of turns per rollout, each message of
+    ``min_len`` to ``max_len`` tokens; every turn is a training sample holding the context so far."""
+    rng = np.random.default_rng(seed)
+
+    def tokens(n):
+        return rng.integers(0, vocab_size, size=int(n)).tolist()
+
+    system, batch = tokens(system_len), []
+    for _ in range(num_tasks):
+        start = system + tokens(task_len)
+        for _ in range(rollouts_per_task):
+            context, turns = list(start), int(rng.integers(min_turns, max_turns + 1))
+            for turn in range(turns):
+                context += tokens(rng.integers(min_len, max_len + 1))  # assistant
+                batch.append(list(context))
+                if turn + 1 < turns:
+                    context += tokens(rng.integers(min_len, max_len + 1))  # tool
+    return batch
+
+
 BATCHES = {
     "grpo": ("GRPO P=8K N=16 R=1K", lambda: grpo_batch(1, 8192, 16, 1024, vocab_size=151936)),
     "grpo2k": ("GRPO P=2K N=8 R=1K", lambda: grpo_batch(1, 2048, 8, 1024, vocab_size=151936)),
@@ -57,10 +81,11 @@ BATCHES = {
         "agentic 4.8K system, 4 tasks x 4 rollouts x 8 turns",
         lambda: agentic_batch(num_tasks=4, rollouts_per_task=4, turns=8, vocab_size=151936),
     ),
+    "irregular": ("agentic, irregular turns: 4 tasks x 4 rollouts x 4-12 turns of 40-900 tokens", irregular_agentic_batch),
 }
 
 
-def build_model(name):
+def build_model(name, device="cuda"):
     import transformers
 
     spec = dict(MODELS[name])
@@ -69,7 +94,7 @@ def build_model(name):
     model_cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
     config = config_cls(**spec, attention_dropout=0.0, max_position_embeddings=65536)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = model_cls._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
     return model.train()
 
@@ -148,13 +173,41 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def tree_options(args, num_tokens):
+    """label -> tree_backward keyword arguments of the hand-picked, budget and automatic rows."""
+    options = {}
+    for size in sorted({min(c, num_tokens) if c else num_tokens for c in args.chunks}):
+        if size >= num_tokens:
+            options["tree_all"] = dict(max_chunk_tokens=num_tokens)  # one chunk
+            continue
+        for recompute in (True, False) if args.keep else (None,):
+            options[f"tree_{size}" + ("_keep" if recompute is False else "")] = dict(max_chunk_tokens=size, recompute=recompute)
+    for gib in args.budgets:  # the engine picks chunk size and recompute from an activation budget
+        options[f"tree_{gib:g}GiB"] = dict(memory_budget_bytes=int(gib * 2**30))
+    if args.auto:
+        options["auto"] = {}  # no chunking options: the budget comes from the free memory
+    return options
+
+
+def describe_plan(model, tree, options):
+    """The plan tree_backward will pick with ``options`` (call with the gradients unset, as in the step)."""
+    plan = _choose_plan(model, tree, torch.device("cuda"), options.get("max_chunk_tokens"),
+                        options.get("memory_budget_bytes"), None, options.get("recompute"))  # fmt: skip
+    return dict(chunk_tokens=plan.size, recompute=plan.recompute, chunks=plan.num_chunks,
+                recomputed_tokens=plan.recomputed_tokens,
+                estimate_gib=MemoryModel.of(model).step_bytes(plan) / 2**30)  # fmt: skip
+
+
 def speed(args):
     model = build_model(args.model)
+    model.zero_grad(set_to_none=True)
+    params_bytes = torch.cuda.memory_allocated()  # what a step starts from: the weights alone
+    grads_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     rows = []
     for key in args.batches:
         name, make = BATCHES[key]
         sequences = make()
-        tree = PrefixTree.from_sequences(sequences)
+        tree = dta_fast.build_tree(sequences)
         mask = tree.logprob_mask
         flat_flops, tree_flops = flat_and_tree_flops(model, tree, sequences)
         loss_fn = SFTLoss(mask)
@@ -164,32 +217,53 @@ def speed(args):
             "flat_kernel": lambda: flat_kernel_step(model, sequences, loss_fn),
             "packed": lambda: packed_step(model, tree, mask),
         }
-        for budget in args.chunks:
-            for recompute in (True, False) if args.keep and budget else (None,):
-                label = "tree_all" if budget == 0 else f"tree_{budget}" + ("_keep" if recompute is False else "")
-                methods[label] = lambda b=budget, r=recompute: dta_fast.tree_backward(
-                    model, tree, loss_fn, max_chunk_tokens=None if b == 0 else b, recompute=r
-                )[0]
-        for gib in args.budgets:  # the engine picks chunk size and recompute from an activation budget
-            methods[f"tree_{gib:g}GiB"] = lambda g=gib: dta_fast.tree_backward(
-                model, tree, loss_fn, memory_budget_bytes=int(g * 2**30)
-            )[0]
+        options = tree_options(args, tree.num_tokens)
+        methods.update({label: None for label in options})
         if args.skip:
             methods = {k: v for k, v in methods.items() if k == "flat" or k not in args.skip}
         row = dict(batch=name, model=args.model, sequences=tree.num_sequences, flat_tokens=tree.flat_tokens,
                    tree_tokens=tree.num_tokens, ideal_speedup=flat_flops / tree_flops, methods={})  # fmt: skip
-        reference = None
-        for label, fn in methods.items():
+        reference, fractions = None, {}  # budget rows: their total budget as a fraction of flat's peak
+        while methods:
+            label, fn = next(iter(methods.items()))
+            del methods[label]
+            entry = {}
+            if fn is None:  # a tree_backward row: note the plan it picks, then time it
+                opts = options[label]
+                model.zero_grad(set_to_none=True)
+                try:
+                    entry["plan"] = describe_plan(model, tree, opts)
+                except ValueError as error:
+                    row["methods"][label] = dict(error=str(error))
+                    print(f"{name}: {label} {error}", flush=True)
+                    continue
+                if "memory_budget_bytes" in opts:
+                    entry["budget_gib"] = opts["memory_budget_bytes"] / 2**30
+                if label in fractions:
+                    entry["flat_peak_fraction"] = fractions[label]
+                fn = lambda o=opts: dta_fast.tree_backward(model, tree, loss_fn, **o)[0]  # noqa: E731
             try:
-                seconds, peak, lp, grads = run_method(model, fn, args.repeats)
+                seconds, peak, lp, grads = run_method(model, fn, args.flat_repeats if label == "flat" else args.repeats)
             except torch.cuda.OutOfMemoryError:
-                row["methods"][label] = dict(oom=True)
+                row["methods"][label] = dict(entry, oom=True)
                 torch.cuda.empty_cache()
                 print(f"{name}: {label} out of memory", flush=True)
                 continue
-            entry = dict(seconds=seconds, peak_gib=peak, tokens_per_s=tree.flat_tokens / seconds)
+            entry.update(seconds=seconds, peak_gib=peak, tokens_per_s=tree.flat_tokens / seconds)
+            if "plan" in entry:  # the estimate covers activations: add the weights and their gradients
+                entry["estimate_total_gib"] = entry["plan"]["estimate_gib"] + (params_bytes + grads_bytes) / 2**30
+                entry["estimate_over_peak"] = entry["estimate_total_gib"] / peak
             if label == "flat":
                 reference = (lp.float().cpu(), grads)
+                row["flat_peak_gib"] = peak
+                budget_rows = {"tree_flatpeak": 1.0} if args.flatpeak else {}
+                budget_rows.update({f"tree_budget_{x:g}x": x for x in args.sweep})
+                for budget_label, x in budget_rows.items():
+                    budget = x * peak * 2**30 - params_bytes - grads_bytes
+                    if budget > 0:
+                        options[budget_label] = dict(memory_budget_bytes=int(budget))
+                        fractions[budget_label] = x
+                        methods[budget_label] = None
             elif reference is not None:
                 entry["logprob_max_abs_diff"] = (lp.float().cpu() - reference[0]).abs().max().item()
                 entry["grad_rel_err"] = rel(grads, reference[1])
@@ -198,7 +272,7 @@ def speed(args):
             row["methods"][label] = entry
             del grads
             torch.cuda.empty_cache()
-            print(f"{name}: {label} {seconds:.3f} s, {peak:.1f} GiB", flush=True)
+            print(f"{name}: {label} {seconds:.3f} s, {peak:.1f} GiB {entry.get('plan', '')}", flush=True)
         base = row["methods"].get("flat", {}).get("seconds")
         for label, entry in row["methods"].items():
             if label == "flat_kernel":
@@ -206,21 +280,34 @@ def speed(args):
             if base and "seconds" in entry and entry.get("gate_ok", label.startswith("flat")):
                 entry["speedup"] = base / entry["seconds"]
                 entry["fraction_of_ideal"] = entry["speedup"] / row["ideal_speedup"]
+        hand = {k: e["seconds"] for k, e in row["methods"].items()
+                if "max_chunk_tokens" in options.get(k, {}) and e.get("gate_ok")}  # fmt: skip
+        if hand:
+            row["best_hand_picked"] = min(hand, key=hand.get)
+            for label in ("auto", "tree_flatpeak"):
+                if row["methods"].get(label, {}).get("gate_ok"):
+                    row[f"{label}_over_best"] = row["methods"][label]["seconds"] / hand[row["best_hand_picked"]]
         rows.append(row)
     print_speed(rows)
     return rows
 
 
 def print_speed(rows):
-    print(f"\n{'batch':<48} {'method':<11} {'s/step':>8} {'tok/s':>10} {'peak GiB':>9} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'gate':>5}")
+    print(f"\n{'batch':<48} {'method':<18} {'s/step':>8} {'tok/s':>10} {'peak GiB':>9} {'est GiB':>8} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'gate':>5}  plan")
     for row in rows:
         for label, e in row["methods"].items():
-            if e.get("oom"):
-                print(f"{row['batch']:<48} {label:<11} {'out of memory':>20}")
+            if e.get("oom") or e.get("error"):
+                print(f"{row['batch']:<48} {label:<18} {'out of memory' if e.get('oom') else e['error'][:60]:>20}")
                 continue
             gate = "" if "gate_ok" not in e else ("ok" if e["gate_ok"] else "FAIL")
-            print(f"{row['batch']:<48} {label:<11} {e['seconds']:>8.3f} {e['tokens_per_s']:>10.0f} {e['peak_gib']:>9.1f} "
-                  f"{e.get('speedup', float('nan')):>8.2f} {row['ideal_speedup']:>6.2f} {e.get('fraction_of_ideal', float('nan')):>8.2f} {gate:>5}")  # fmt: skip
+            plan = e.get("plan")
+            plan = f"{plan['chunk_tokens']} {'recompute' if plan['recompute'] else 'keep'} x{plan['chunks']}" if plan else ""
+            print(f"{row['batch']:<48} {label:<18} {e['seconds']:>8.3f} {e['tokens_per_s']:>10.0f} {e['peak_gib']:>9.1f} "
+                  f"{e.get('estimate_total_gib', float('nan')):>8.1f} {e.get('speedup', float('nan')):>8.2f} {row['ideal_speedup']:>6.2f} "
+                  f"{e.get('fraction_of_ideal', float('nan')):>8.2f} {gate:>5}  {plan}")  # fmt: skip
+        for label in ("auto", "tree_flatpeak"):
+            if f"{label}_over_best" in row:
+                print(f"{row['batch']:<48} {label} / best hand-picked ({row['best_hand_picked']}): {row[f'{label}_over_best']:.3f}")
 
 
 def memory(args):
@@ -266,6 +353,82 @@ def memory(args):
     return rows
 
 
+def plan_timing(args):
+    """CPU, one thread: planning a forest of ~1M unique tokens (the memory mode's largest)."""
+    torch.set_num_threads(1)
+    sequences = agentic_batch(num_tasks=10, rollouts_per_task=4, turns=60, vocab_size=151936, every_turn=False)
+    tree = dta_fast.build_tree(sequences)
+    model = build_model(args.model, device="meta")
+    memory, forest = MemoryModel.of(model), _Forest.of(tree)
+
+    def best_ms(fn, repeats=5):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3, result
+
+    rows = [dict(what="forest arrays", ms=best_ms(lambda: _Forest.of(tree))[0])]
+    for size in (4096, 8192, 16384):
+        for recompute in (False, True):
+            ms, plan = best_ms(lambda: plan_chunks(tree, size, recompute))
+            rows.append(dict(what=f"plan, chunks of {size}, {'recompute' if recompute else 'keep'}", ms=ms,
+                             chunks=plan.num_chunks))  # fmt: skip
+    for gib in args.budgets or (20, 40, 60):
+        for recompute in (False, True):
+            try:
+                ms, size = best_ms(lambda: chunk_tokens_for_budget(model, tree, int(gib * 2**30), recompute), 3)
+            except ValueError:
+                ms, size = best_ms(lambda: _raises(chunk_tokens_for_budget, model, tree, int(gib * 2**30), recompute), 3)
+            rows.append(dict(what=f"chunk_tokens_for_budget {gib:g} GiB, {'recompute' if recompute else 'keep'}",
+                             ms=ms, chunk_tokens=size))  # fmt: skip
+        ms, plan = best_ms(lambda: _plan_for_budget(memory, forest, int(gib * 2**30), None, True), 3)
+        rows.append(dict(what=f"automatic choice at {gib:g} GiB", ms=ms, chunk_tokens=plan.size, recompute=plan.recompute))
+    print(f"\n{tree.num_tokens} unique tokens, longest path {int(tree.lengths.max())}, {args.model} shape, one thread")
+    for r in rows:
+        extra = {k: v for k, v in r.items() if k not in ("what", "ms")}
+        print(f"{r['what']:<52} {r['ms']:>8.1f} ms  {extra or ''}")
+    return rows
+
+
+def _raises(fn, *args):
+    try:
+        fn(*args)
+    except ValueError:
+        return "too small"
+
+
+def plot_budget(rows, path):
+    """Step time against the memory budget (weights, gradients and activations), per-sequence marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if any("flat_peak_fraction" in e for e in r["methods"].values())]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        flat = row["methods"]["flat"]
+        points = sorted((e["flat_peak_fraction"] * row["flat_peak_gib"], e["seconds"], e["peak_gib"])
+                        for e in row["methods"].values() if "flat_peak_fraction" in e and "seconds" in e)  # fmt: skip
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="tree_backward, memory_budget_bytes")
+        ax.axhline(flat["seconds"], ls="--", color="gray", label=f"per sequence: {flat['seconds']:.2f} s")
+        ax.axvline(flat["peak_gib"], ls=":", color="gray", label=f"per sequence peak: {flat['peak_gib']:.1f} GiB")
+        auto = row["methods"].get("auto", {})
+        if "seconds" in auto:
+            ax.plot([auto["peak_gib"]], [auto["seconds"]], "s", label="automatic (at its measured peak)")
+        ax.set_xlabel("budget: weights + gradients + activations (GiB)")
+        ax.set_ylabel("seconds per step")
+        ax.set_yscale("log")
+        ax.set_title(row["batch"][:60], fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot_memory(rows, path):
     import matplotlib
 
@@ -289,7 +452,7 @@ def plot_memory(rows, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["speed", "memory"])
+    parser.add_argument("mode", choices=["speed", "memory", "plan"])
     parser.add_argument("--model", default=None, choices=list(MODELS))
     parser.add_argument("--batches", nargs="+", default=["grpo", "agentic"], choices=list(BATCHES))
     parser.add_argument("--chunks", nargs="+", type=int, default=[0, 8192, 2048], help="0 means one chunk")
@@ -297,12 +460,21 @@ def main():
     parser.add_argument("--tasks", nargs="+", type=int, default=[1, 2, 4, 10])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="also run each chunk size with recompute=False")
+    parser.add_argument("--auto", action="store_true", help="a row with no chunking options (budget from free memory)")
+    parser.add_argument("--flatpeak", action="store_true", help="a row whose budget is per-sequence training's peak")
+    parser.add_argument("--sweep", nargs="*", type=float, default=[], help="budget rows at these fractions of flat's peak")
+    parser.add_argument("--flat-repeats", type=int, default=None, help="repeats of flat (default: --repeats)")
     parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out (flat always runs)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
-    args.model = args.model or ("qwen2-0.5b" if args.mode == "speed" else "qwen3-1.7b")
+    args.model = args.model or ("qwen3-1.7b" if args.mode == "memory" else "qwen2-0.5b")
+    args.flat_repeats = args.repeats if args.flat_repeats is None else args.flat_repeats
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "plan":
+        rows = plan_timing(args)
+        (out / f"plan_timing_{args.model}.json").write_text(json.dumps(dict(rows=rows), indent=1))
+        return
     gpu = torch.cuda.get_device_name().replace(" ", "_")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, model=args.model)
     rows = speed(args) if args.mode == "speed" else memory(args)
@@ -310,6 +482,8 @@ def main():
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     if args.mode == "memory":
         plot_memory(rows, out / f"{stem}.png")
+    elif args.sweep:
+        plot_budget(rows, out / f"{stem}_budget.png")
 
 
 if __name__ == "__main__":

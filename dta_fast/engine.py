@@ -386,9 +386,9 @@ def _largest_fitting_size(memory: MemoryModel, forest: _Forest, budget: int, rec
     Every plan holds a deepest token's whole path open at some moment, which
     bounds the estimate from below and, with one chunk's worth of tokens on
     top, gives a first guess. From there the sizes double or halve until they
-    bracket the budget, and interpolation on the estimate (exact where it is
-    linear in the size, the usual case), kept safe by bisection, finds the
-    largest that fits: a handful of plans.
+    bracket the budget; interpolation on the estimate (exact where it is
+    linear in the size) or, once it stalls, bisection finds the largest that
+    fits: a few to ~15 plans, each a few milliseconds.
     """
     T = forest.num_tokens
     memo: dict[int, int] = {}
@@ -428,19 +428,20 @@ def _largest_fitting_size(memory: MemoryModel, forest: _Forest, budget: int, rec
             f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
-    bisect = False
+    interpolate = True
     while hi is not None and hi - lo > 1:  # fits(lo) and not fits(hi)
-        if bisect:
-            guess = (lo + hi) // 2
-        else:
+        if interpolate:
             slope = (memo[hi] - memo[lo]) / (hi - lo)
             guess = min(hi - 1, max(lo + 1, lo + int((budget - memo[lo]) // slope)))
+        else:
+            guess = (lo + hi) // 2
         width = hi - lo
         if fits(guess):
             lo = guess
         else:
             hi = guess
-        bisect = 2 * (hi - lo) > width  # interpolation did not halve the interval: bisect next
+        # the estimate is a step function here (chunk ends set by the tree, not the size): bisect
+        interpolate = interpolate and 2 * (hi - lo) <= width
     return lo
 
 
