@@ -293,8 +293,9 @@ class DraftBudget:
 
     ``accepted`` is a running mean of draft tokens accepted per step. Below
     ``min_accepted`` the sequence stops drafting, except for a small probe
-    every ``probe_every`` steps, so a sequence whose rollouts stop repeating
-    costs (almost) no more than plain generation.
+    after ``probe_every`` idle steps; each probe that fails doubles that wait
+    (up to 256 steps). So a sequence whose rollouts stop repeating costs
+    almost nothing over plain generation.
     """
 
     max_draft_tokens: int
@@ -316,8 +317,13 @@ class DraftBudget:
         return 0
 
     def update(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.accepted = 0.6 * self.accepted + 0.4 * accepted
+        if not drafted:
+            return
+        self.accepted = 0.6 * self.accepted + 0.4 * accepted
+        if accepted:
+            self.probe_every = 16
+        elif self.accepted < self.min_accepted:
+            self.probe_every = min(256, 2 * self.probe_every)
 
 
 NGRAMS = (1, 2, 4, 8)  # context lengths indexed; candidates are then ranked by their true match length

@@ -1,0 +1,340 @@
+"""Rollout throughput: speculative sampling from a tree cache vs plain sampling vs Hugging Face generate.
+
+A policy whose rollouts repeat as a converging policy's do: a small
+Llama-style model (about 25M parameters) is trained for ``--train-seconds`` on
+a synthetic task with a templated answer (a prompt of 8 key tokens; an answer
+of 16 blocks, each repeating the keys, a fixed phrase, a free choice among 3
+tokens, a filler that depends on the choice, the keys reversed). Then the same
+prompts are sampled at temperature 1 for several epochs, the cache carried
+across epochs, ``--samples`` samples per prompt. The same is done with the
+random-weights model, where there is nothing to reuse.
+
+Speed figures are gated on correctness checks in the same run (float32
+copies): greedy dta_fast.sample == dta_ref.sample, greedy speculative with
+right and wrong caches == plain greedy, and sampled speculative logprobs ==
+teacher-forced logprobs. Writes JSON and a plot, prints a table last.
+
+    python benchmarks/bench_rollout.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dta_fast  # noqa: E402
+import dta_ref  # noqa: E402
+
+BOS, SEP, EOS = 1, 2, 3
+VOCAB = 512
+KEYS = range(16, 80)
+CHOICES = (80, 81, 82)
+BLOCKS = 16
+
+
+def task_tables(seed=1234):
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(300, 500) for _ in range(40)] for _ in range(4)]
+    fillers = {c: [rng.randrange(200, 300) for _ in range(16)] for c in CHOICES}
+    return phrases, fillers
+
+
+PHRASES, FILLERS = task_tables()
+
+
+def make_prompt(rng):
+    return [BOS] + [rng.choice(KEYS) for _ in range(8)] + [SEP]
+
+
+def make_answer(prompt, rng):
+    keys = prompt[1:9]
+    out = []
+    for j in range(BLOCKS):
+        c = rng.choice(CHOICES)
+        out += [100 + j] + keys + PHRASES[j % 4] + [c] + FILLERS[c] + keys[::-1]
+    return out + [EOS]
+
+
+def is_templated(prompt, completion):
+    """Whether a completion is a well-formed answer (any choices) to its prompt."""
+    keys = prompt[1:9]
+    pos = 0
+    for j in range(BLOCKS):
+        head = [100 + j] + keys + PHRASES[j % 4]
+        if completion[pos : pos + len(head)] != head:
+            return False
+        pos += len(head)
+        c = completion[pos] if pos < len(completion) else None
+        if c not in CHOICES or completion[pos + 1 : pos + 17 + 8] != FILLERS[c] + keys[::-1]:
+            return False
+        pos += 1 + 16 + 8
+    return completion[pos:] == [EOS]
+
+
+def build_model(device, seed=0):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
+        attention_dropout=0.0, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).to(device)
+
+
+def train(model, seconds, batch, device, log):
+    rng = random.Random(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    start, step, losses = time.time(), 0, []
+    while time.time() - start < seconds:
+        seqs = []
+        for _ in range(batch):
+            p = make_prompt(rng)
+            seqs.append(p + make_answer(p, rng))
+        ids = torch.tensor(seqs, device=device)
+        labels = ids.clone()
+        labels[:, :10] = -100  # train on the answer only
+        lr = 1e-3 * min(1.0, (step + 1) / 100)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 100 == 0:
+            losses.append((step, round(time.time() - start, 1), float(loss)))
+            log(f"  train step {step}  {time.time() - start:.0f}s  loss {float(loss):.4f}")
+    model.eval()
+    return {"steps": step, "seconds": time.time() - start, "batch": batch, "losses": losses}
+
+
+# ------------------------------------------------------------------ correctness gate
+
+
+def gate(model, device, log):
+    """Float32 checks that every timed path samples what the reference samples."""
+    m = copy.deepcopy(model).float().eval()
+    rng = random.Random(7)
+    prompts = [make_prompt(rng) for _ in range(3)]
+    checks = {}
+    ref = dta_ref.sample(m, prompts[:2], 24, temperature=0)
+    fast = dta_fast.sample(m, prompts[:2], 24, temperature=0)
+    checks["greedy fast.sample == ref.sample"] = fast.completions == ref.completions
+    plain = dta_fast.sample(m, prompts, 160, temperature=0)
+    right = dta_ref.RolloutCache()
+    wrong = dta_ref.RolloutCache()
+    for p, c in zip(prompts, plain.completions):
+        right.add(p, c)
+        wrong.add(p, c[:40] + [(t + 1) % VOCAB for t in c[40:]])
+    for name, cache in (("right", right), ("wrong", wrong), ("empty", dta_ref.RolloutCache())):
+        spec = dta_fast.speculative_sample(m, prompts, 160, cache=cache, temperature=0)
+        checks[f"greedy speculative ({name} cache) == plain"] = spec.completions == plain.completions
+    g = torch.Generator(device=device).manual_seed(3)
+    spec = dta_fast.speculative_sample(m, prompts * 2, 160, cache=right, generator=g, eos_token_id=EOS)
+    with torch.no_grad():
+        flat = dta_ref.flat_logprobs(m, [p + c for p, c in zip(prompts * 2, spec.completions)])
+    err = 0.0
+    for i, (p, c) in enumerate(zip(prompts * 2, spec.completions)):
+        got = spec.logprobs[i].to(flat.device)
+        err = max(err, float((got - flat[i, len(p) - 1 : len(p) - 1 + len(c)]).abs().max()))
+    checks["sampled speculative logprobs == teacher-forced (max abs err < 2e-3)"] = err < 2e-3
+    for k, v in checks.items():
+        log(f"  gate: {k}: {'ok' if v else 'FAILED'}")
+    log(f"  gate: the sampled check accepted {spec.stats['accepted_tokens']} draft tokens")
+    return checks, err
+
+
+# ------------------------------------------------------------------ timing
+
+
+DEVICE = "cuda"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def hf_generate(model, prompts, max_new_tokens, seed):
+    ids = torch.tensor(prompts, device=DEVICE)  # prompts share one length: no padding
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0,
+    )  # fmt: skip
+    gen = out[:, ids.shape[1] :].tolist()
+    completions = []
+    for g in gen:
+        completions.append(g[: g.index(EOS) + 1] if EOS in g else g)
+    return completions
+
+
+def row(name, epoch, completions, seconds, stats, prompts):
+    tokens = sum(map(len, completions))
+    r = {"method": name, "epoch": epoch, "tokens": tokens, "seconds": round(seconds, 3),
+         "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+    if stats and "accepted_tokens" in stats:
+        r["accepted_per_sequence_step"] = round(stats["accepted_tokens"] / max(1, stats["sequence_steps"]), 2)
+        r["tokens_per_sequence_step"] = round(stats["generated_tokens"] / max(1, stats["sequence_steps"]), 2)
+        r["accepted_per_verify_step"] = round(stats["accepted_tokens"] / max(1, stats["verify_steps"]), 1)
+        r["drafted_tokens"] = stats["drafted_tokens"]
+        r["verify_steps"] = stats["verify_steps"]
+    if stats and "verify_steps" in stats:
+        r["verify_steps"] = stats["verify_steps"]
+    r["templated"] = round(sum(is_templated(p, c) for p, c in zip(prompts, completions)) / len(completions), 3)
+    r["mean_length"] = round(tokens / len(completions), 1)
+    return r
+
+
+def throughput(model, label, prompts, args, log):
+    rows = []
+    gen = lambda s: torch.Generator(device=DEVICE).manual_seed(s)  # noqa: E731
+    kw = dict(temperature=1.0, eos_token_id=EOS)
+    dta_fast.sample(model, prompts[:4], 16, generator=gen(0), **kw)  # warm-up (Triton compiles)
+    dta_fast.speculative_sample(model, prompts[:4], 16, cache=dta_ref.RolloutCache(), generator=gen(0), **kw)
+    out, s = timed(lambda: dta_fast.sample(model, prompts, args.max_new_tokens, generator=gen(1), **kw))
+    rows.append(row(f"{label}: dta_fast.sample", 0, out.completions, s, out.stats, prompts))
+    log(f"  {rows[-1]}")
+    if args.hf:
+        hf_generate(model, prompts[:4], 16, 0)
+        comps, s = timed(lambda: hf_generate(model, prompts, args.max_new_tokens, 2))
+        rows.append(row(f"{label}: HF generate", 0, comps, s, None, prompts))
+        log(f"  {rows[-1]}")
+    cache = dta_ref.RolloutCache()
+    for epoch in range(args.epochs):
+        out, s = timed(lambda: dta_fast.speculative_sample(
+            model, prompts, args.max_new_tokens, cache=cache, generator=gen(10 + epoch),
+            max_draft_tokens=args.max_draft_tokens, **kw))  # fmt: skip
+        rows.append(row(f"{label}: speculative", epoch, out.completions, s, out.stats, prompts))
+        log(f"  {rows[-1]}")
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-seconds", type=float, default=150)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=1536)
+    ap.add_argument("--random-max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-draft-tokens", type=int, default=32)
+    ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    gpu = torch.cuda.get_device_name()
+    log(f"{gpu}, torch {torch.__version__}")
+    rng = random.Random(99)
+    task_prompts = [make_prompt(rng) for _ in range(args.prompts)]
+    prompts = [p for p in task_prompts for _ in range(args.samples)]  # a group's samples side by side
+    result = {"gpu": gpu, "args": vars(args), "command": " ".join(["python"] + sys.argv)}
+
+    random_model = build_model(device, seed=1).to(torch.bfloat16).eval()
+    nparams = sum(p.numel() for p in random_model.parameters())
+    result["parameters"] = nparams
+    log(f"model: Llama, {nparams / 1e6:.1f}M parameters, vocab {VOCAB}")
+
+    model = build_model(device, seed=0)
+    log("training")
+    result["training"] = train(model, args.train_seconds, args.batch, device, log)
+    checks, err = gate(model, device, log)
+    result["gate"] = {"checks": checks, "logprob_max_abs_err": err, "passed": all(checks.values())}
+    if not result["gate"]["passed"]:
+        log("correctness gate FAILED: no speed figures")
+        json.dump(result, open(os.path.join(args.out, "rollout.json"), "w"), indent=1)
+        sys.exit(1)
+    model = model.to(torch.bfloat16).eval()
+
+    log("trained policy")
+    rows = throughput(model, "trained", prompts, args, log)
+    log("random weights")
+    rargs = copy.copy(args)
+    rargs.max_new_tokens, rargs.epochs = args.random_max_new_tokens, 2
+    rows += throughput(random_model, "random", prompts, rargs, log)
+    result["rows"] = rows
+
+    def speed(label, method, epoch=0):
+        return next(r["tokens_per_s"] for r in rows if r["method"] == f"{label}: {method}" and r["epoch"] == epoch)
+
+    summary = {
+        "trained: speculative / plain, by epoch": [
+            round(speed("trained", "speculative", e) / speed("trained", "dta_fast.sample"), 2) for e in range(args.epochs)
+        ],
+        "random: speculative / plain, by epoch": [
+            round(speed("random", "speculative", e) / speed("random", "dta_fast.sample"), 3) for e in range(2)
+        ],
+    }
+    if args.hf:
+        summary["trained: plain / HF generate"] = round(speed("trained", "dta_fast.sample") / speed("trained", "HF generate"), 2)
+        summary["trained: speculative (last epoch) / HF generate"] = round(
+            speed("trained", "speculative", args.epochs - 1) / speed("trained", "HF generate"), 2
+        )
+    result["summary"] = summary
+    name = gpu.replace(" ", "_")
+    json.dump(result, open(os.path.join(args.out, f"rollout_{name}.json"), "w"), indent=1)
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 4))
+        labels = [f"{r['method']}" + (f" e{r['epoch']}" if "speculative" in r["method"] else "") for r in rows]
+        ax.barh(range(len(rows)), [r["tokens_per_s"] for r in rows], color=[
+            "tab:green" if "speculative" in r["method"] else "tab:gray" for r in rows])  # fmt: skip
+        ax.set_yticks(range(len(rows)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("generated tokens / s")
+        ax.set_title(f"rollout throughput, {gpu}, {args.prompts} prompts x {args.samples} samples, temperature 1")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, f"rollout_{name}.png"), dpi=120)
+    except ImportError:
+        pass
+
+    log("")
+    log(f"| method | epoch | tokens/s | tokens per seq-step | accepted per seq-step | accepted per verify step | templated | mean len |")
+    log("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['method']} | {r['epoch']} | {r['tokens_per_s']:.0f} | {r.get('tokens_per_sequence_step', 1.0)} | "
+            f"{r.get('accepted_per_sequence_step', '-')} | {r.get('accepted_per_verify_step', '-')} | "
+            f"{r['templated']} | {r['mean_length']} |")  # fmt: skip
+    for k, v in summary.items():
+        log(f"{k}: {v}")
+    open(os.path.join(args.out, f"rollout_{name}.txt"), "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
