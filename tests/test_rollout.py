@@ -339,6 +339,20 @@ def test_cache_serves_a_later_turn():
     assert cache.draft([1, 2, 3, 4, 5, 6], [7], 2).tokens == [8, 9]
 
 
+def test_drafter_follows_a_growing_sequence():
+    cache = dta_ref.RolloutCache()
+    cache.add([9], [1, 2, 3, 4, 5, 6, 7, 8])
+    drafter = cache.drafter([9])
+    assert drafter.draft([], 3).tokens == [1, 2, 3]
+    assert drafter.draft([1, 2], 3).tokens == [3, 4, 5]  # pointers moved along, no new search
+    assert drafter.draft([1, 2, 3, 0], 3).tokens == []  # diverged: "0" never occurs
+    assert drafter.draft([1, 2, 3, 0, 5], 2).tokens == [6, 7]  # found again by the suffix "5"
+    cache.add([9], [1, 2, 3, 0, 5, 9, 9])  # a sibling finished: new sources are picked up
+    assert drafter.draft([1, 2, 3, 0, 5], 2).tokens == [9, 9]  # the longer match ranks first
+    with pytest.raises(ValueError, match="may only be appended"):
+        drafter.draft([1], 2)
+
+
 # ------------------------------------------------------------------ bad input
 
 
