@@ -537,6 +537,9 @@ def _most_frequent_tree(continuations: dict[tuple[int, ...], int], budget: int) 
     ``continuations`` maps each distinct continuation to how often it was seen,
     in order of preference for ties.
     """
+    if len(continuations) == 1:  # one distinct continuation (the common case): a chain
+        (c,) = continuations
+        return DraftTree(list(c[:budget]), list(range(-1, min(len(c), budget) - 1)))
     counts: list[dict[int, list]] = [{}]  # node -> {token: [count, child node]}
     for c, weight in continuations.items():
         node = 0
