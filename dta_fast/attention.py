@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dta_ref.tree import nesting_depth
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -73,49 +75,8 @@ if INTERPRET and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 
 
 
 def validate_subtree_end(subtree_end: torch.Tensor) -> None:
-    """Raise ValueError unless every row of subtree_end [B, T] is a preorder forest.
-
-    Needs j < end[j] <= T and properly nested ranges. With c[i] the number of
-    ranges covering i, nested ranges are exactly "end[j] is the first k > j
-    with c[k] <= c[j]", which is checked with a range-minimum table.
-    """
-    B, T = subtree_end.shape
-    j = torch.arange(T, device=subtree_end.device)
-    if bool((subtree_end <= j).any()):
-        bad = (subtree_end <= j).nonzero()[0].tolist()
-        raise ValueError(f"subtree_end[{bad[-1]}] = {int(subtree_end[tuple(bad)])} must be > its index {bad[-1]}")
-    if bool((subtree_end > T).any()):
-        bad = (subtree_end > T).nonzero()[0].tolist()
-        raise ValueError(f"subtree_end[{bad[-1]}] = {int(subtree_end[tuple(bad)])} exceeds the number of keys {T}")
-    end = subtree_end.long()
-    diff = torch.zeros(B, T + 1, dtype=torch.long, device=end.device)
-    diff[:, :T] += 1
-    diff.scatter_add_(1, end, torch.full_like(end, -1))
-    cover = diff.cumsum(1)  # [B, T + 1], cover[:, T] == 0
-    # Sparse table of range minima over cover; levels[p][i] = min cover[i : i + 2**p].
-    levels = [cover]
-    while (1 << len(levels)) <= T:
-        prev, half = levels[-1], 1 << (len(levels) - 1)
-        levels.append(torch.minimum(prev[:, :-half], prev[:, half:]))
-    lo, hi = j + 1, end  # open range (j, end[j]) must stay deeper than j
-    length = (hi - lo).clamp(min=1)
-    p = torch.floor(torch.log2(length.double())).long()
-    inner_min = torch.full_like(end, torch.iinfo(torch.long).max)
-    for level in range(len(levels)):
-        sel = (p == level) & (hi > lo)
-        if bool(sel.any()):
-            table = levels[level]
-            a = table.gather(1, lo.expand(B, T).clamp(max=table.shape[1] - 1))
-            b = table.gather(1, (hi - (1 << level)).clamp(min=0, max=table.shape[1] - 1))
-            inner_min = torch.where(sel, torch.minimum(a, b), inner_min)
-    own = cover[:, :T]
-    nested = (inner_min > own) & (cover.gather(1, end) <= own)
-    if not bool(nested.all()):
-        b, jj = (~nested).nonzero()[0].tolist()
-        raise ValueError(
-            f"subtree_end is not a preorder forest: the range [{jj}, {int(end[b, jj])}) of key {jj} "
-            "crosses another key's range"
-        )
+    """Raise ValueError unless every row of subtree_end [B, T] is a preorder forest (dta_ref.tree.nesting_depth)."""
+    nesting_depth(subtree_end)
 
 
 @dataclass

@@ -744,6 +744,7 @@ def tree_backward(
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
+    tree.validate(loss_fn)
     output_head(model)  # rejects unsupported models with a clear error
     check_token_ids(model, tree.tokens)
     if max_chunk_tokens is not None and memory_budget_bytes is not None:

@@ -116,10 +116,11 @@ def gather_logprobs_chunked(
 def _packed_hidden(model, tree: PrefixTree):
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    tree.validate()
     adapter = adapt(model)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
-    schedule = build_schedule(tree.subtree_end)
+    schedule = build_schedule(tree.subtree_end, validate=False)  # tree.validate() checked it
 
     def attend(layer_idx, q, k, v, scale):
         return tree_attention(q, k, v, scale=scale, schedule=schedule)

@@ -83,6 +83,7 @@ def gather_tree_logprobs(hidden: torch.Tensor, head, tree: PrefixTree, temperatu
 def _packed_hidden(model, tree: PrefixTree):
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    tree.validate()
     adapter = adapt(model)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)

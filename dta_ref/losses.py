@@ -45,13 +45,20 @@ def _check_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask != 0
 
 
-def _check_real(name: str, value, low: float, inclusive: bool = True) -> float:
-    """A finite real number >= low (> low unless inclusive), as a float."""
+def _check_real(name: str, value) -> float:
+    """A finite real number, as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or value < low or (value == low and not inclusive):
-        raise ValueError(f"{name} must be finite and {'>=' if inclusive else '>'} {low:g}, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_clip(name: str, value) -> float:
+    value = _check_real(name, value)
+    if value < 0:
+        raise ValueError(f"clip ranges must be non-negative, got {name}={value}")
     return value
 
 
@@ -87,7 +94,7 @@ def token_weights(loss_mask: torch.Tensor, normalization: str = "token_mean") ->
     - ``sum``: every valid token weighs 1.
     """
     if not isinstance(loss_mask, torch.Tensor):
-        raise TypeError(f"loss_mask must be a tensor [N, L], got {type(loss_mask).__name__}")
+        raise ValueError(f"loss_mask must be a 2-D tensor [N, L], got {type(loss_mask).__name__}")
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be a 2-D tensor [N, L], got shape {tuple(loss_mask.shape)}")
     if not isinstance(normalization, str) or normalization not in NORMALIZATIONS:
@@ -109,10 +116,10 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     clip-higher. ``dual_clip`` (c > 1) bounds the loss of negative-advantage
     tokens by -c A, as in dual-clip PPO.
     """
-    clip_low = _check_real("clip_low", clip_low, 0.0)
-    clip_high = clip_low if clip_high is None else _check_real("clip_high", clip_high, 0.0)
-    if dual_clip is not None:
-        dual_clip = _check_real("dual_clip", dual_clip, 1.0, inclusive=False)
+    clip_low = _check_clip("clip_low", clip_low)
+    clip_high = clip_low if clip_high is None else _check_clip("clip_high", clip_high)
+    if dual_clip is not None and _check_real("dual_clip", dual_clip) <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)

@@ -51,7 +51,59 @@ def _as_token_list(seq, i: int) -> list[int]:
         raise ValueError(f"sequence {i} is empty: every rollout needs at least one token")
     if min(tokens) < 0:
         raise ValueError(f"sequence {i}: tokens must be non-negative, got {min(tokens)}")
+    if max(tokens) > MAX_TOKEN_ID:
+        raise ValueError(f"sequence {i}: token id {max(tokens)} does not fit int64 (at most {MAX_TOKEN_ID})")
     return tokens
+
+
+MAX_TOKEN_ID = 2**63 - 1
+
+
+def nesting_depth(subtree_end: torch.Tensor) -> torch.Tensor:
+    """Depths [B, T] of the preorder forests whose subtree ends are ``subtree_end`` [B, T]; ValueError if none.
+
+    Needs j < end[j] <= T and properly nested ranges. With c[i] the number of
+    ranges covering i (its depth + 1), nested ranges are exactly "end[j] is the
+    first k > j with c[k] <= c[j]", which is checked with a range-minimum table.
+    """
+    B, T = subtree_end.shape
+    j = torch.arange(T, device=subtree_end.device)
+    if bool((subtree_end <= j).any()):
+        bad = (subtree_end <= j).nonzero()[0].tolist()
+        raise ValueError(f"subtree_end[{bad[-1]}] = {int(subtree_end[tuple(bad)])} must be > its index {bad[-1]}")
+    if bool((subtree_end > T).any()):
+        bad = (subtree_end > T).nonzero()[0].tolist()
+        raise ValueError(f"subtree_end[{bad[-1]}] = {int(subtree_end[tuple(bad)])} exceeds the number of keys {T}")
+    end = subtree_end.long()
+    diff = torch.zeros(B, T + 1, dtype=torch.long, device=end.device)
+    diff[:, :T] += 1
+    diff.scatter_add_(1, end, torch.full_like(end, -1))
+    cover = diff.cumsum(1)  # [B, T + 1], cover[:, T] == 0
+    # Sparse table of range minima over cover; levels[p][i] = min cover[i : i + 2**p].
+    levels = [cover]
+    while (1 << len(levels)) <= T:
+        prev, half = levels[-1], 1 << (len(levels) - 1)
+        levels.append(torch.minimum(prev[:, :-half], prev[:, half:]))
+    lo, hi = j + 1, end  # open range (j, end[j]) must stay deeper than j
+    length = (hi - lo).clamp(min=1)
+    p = torch.floor(torch.log2(length.double())).long()
+    inner_min = torch.full_like(end, torch.iinfo(torch.long).max)
+    for level in range(len(levels)):
+        sel = (p == level) & (hi > lo)
+        if bool(sel.any()):
+            table = levels[level]
+            a = table.gather(1, lo.expand(B, T).clamp(max=table.shape[1] - 1))
+            b = table.gather(1, (hi - (1 << level)).clamp(min=0, max=table.shape[1] - 1))
+            inner_min = torch.where(sel, torch.minimum(a, b), inner_min)
+    own = cover[:, :T]
+    nested = (inner_min > own) & (cover.gather(1, end) <= own)
+    if not bool(nested.all()):
+        b, jj = (~nested).nonzero()[0].tolist()
+        raise ValueError(
+            f"subtree_end is not a preorder forest: the range [{jj}, {int(end[b, jj])}) of key {jj} "
+            "crosses another key's range"
+        )
+    return own - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,6 +231,72 @@ class PrefixTree:
 
     def to(self, device) -> "PrefixTree":
         return PrefixTree(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+
+    def validate(self, loss_fn=None) -> "PrefixTree":
+        """Raise ValueError/TypeError unless this is a preorder forest whose fields agree; return self.
+
+        Every entry point calls it, so a tree not made by the builders (say,
+        ``dataclasses.replace`` with another ``subtree_end``) is refused rather
+        than trained on. Checks: long tensors on one device of consistent
+        shapes; ``subtree_end`` a preorder forest; ``position_ids`` its depths;
+        ``parent`` each token's enclosing token one level up; each row of
+        ``seq_index`` a root-to-node path of ``lengths[s]`` tokens, then -1.
+        A ``loss_fn`` that can (``TokenLoss.check_lengths``) is checked to be
+        built for these sequences.
+        """
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for name, x in fields.items():
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"PrefixTree.{name} must be a tensor, got {type(x).__name__}")
+            if x.dtype != torch.long:
+                raise TypeError(f"PrefixTree.{name} must be a long (int64) tensor, got {x.dtype}")
+            if x.device != self.tokens.device:
+                raise ValueError(f"PrefixTree.{name} is on {x.device}, tokens on {self.tokens.device}")
+        T = self.tokens.shape[0] if self.tokens.dim() == 1 else -1
+        for name in ("tokens", "position_ids", "parent", "subtree_end"):
+            if fields[name].dim() != 1 or fields[name].shape[0] != T or T < 1:
+                raise ValueError(f"PrefixTree.{name} must be [T] with T >= 1 tokens, got shape {tuple(fields[name].shape)}")
+        if self.seq_index.dim() != 2 or 0 in self.seq_index.shape:
+            raise ValueError(f"PrefixTree.seq_index must be [N, Lmax] with N, Lmax >= 1, got {tuple(self.seq_index.shape)}")
+        N, L = self.seq_index.shape
+        if tuple(self.lengths.shape) != (N,):
+            raise ValueError(f"PrefixTree.lengths must be [N] = [{N}], got shape {tuple(self.lengths.shape)}")
+        if bool((self.tokens < 0).any()):
+            raise ValueError(f"PrefixTree.tokens must be non-negative, got {int(self.tokens.min())}")
+
+        depth = nesting_depth(self.subtree_end[None])[0]
+        if not torch.equal(self.position_ids, depth):
+            i = int((self.position_ids != depth).nonzero()[0])
+            raise ValueError(f"PrefixTree.position_ids[{i}] = {int(self.position_ids[i])}, but subtree_end puts token {i} at depth {int(depth[i])}")
+        parent = self.parent
+        i = torch.arange(T, device=parent.device)
+        p = parent.clamp(min=0)
+        ok = torch.where(
+            depth == 0,
+            parent == -1,
+            (parent >= 0) & (parent < i) & (self.subtree_end[p] > i) & (depth[p] == depth - 1),
+        )
+        if not bool(ok.all()):
+            i = int((~ok).nonzero()[0])
+            raise ValueError(f"PrefixTree.parent[{i}] = {int(parent[i])} is not the token above {i} in subtree_end's forest")
+
+        lengths = self.lengths
+        if bool((lengths < 1).any()) or bool((lengths > L).any()) or int(lengths.max()) != L:
+            raise ValueError(f"PrefixTree.lengths must be between 1 and Lmax = {L}, with max {L}; got {lengths.tolist()[:8]}")
+        t = torch.arange(L, device=lengths.device)
+        inside = t[None, :] < lengths[:, None]  # [N, L]
+        index = self.seq_index
+        if not bool(torch.where(inside, (index >= 0) & (index < T), index == -1).all()):
+            s = int((~torch.where(inside, (index >= 0) & (index < T), index == -1)).nonzero()[0, 0])
+            raise ValueError(f"PrefixTree.seq_index row {s} must hold {int(lengths[s])} packed indices in [0, {T}), then -1")
+        prev = torch.cat([torch.full((N, 1), -1, dtype=torch.long, device=index.device), index[:, :-1]], 1)
+        on_path = ~inside | (parent[index.clamp(min=0)] == prev)
+        if not bool(on_path.all()):
+            s, t = (~on_path).nonzero()[0].tolist()
+            raise ValueError(f"PrefixTree.seq_index[{s}] is not a root-to-node path: its token {t} is not a child of token {t - 1}")
+        if loss_fn is not None and hasattr(loss_fn, "check_lengths"):
+            loss_fn.check_lengths(lengths)
+        return self
 
     def __repr__(self) -> str:
         return (
