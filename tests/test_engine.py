@@ -431,3 +431,21 @@ def test_plan_facts(recompute):
             assert plan.saved[c] == sum(plan.prefix_tokens[o] for o in open_)
             assert plan.keeps_graph[c] == (not recompute or plan.max_end[c] <= b)
         assert order == list(range(plan.num_chunks)) and not open_
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("margin", [None, 2**50], ids=["default_margin", "margin_larger_than_the_device"])
+def test_cuda_default_budget(margin):
+    """On CUDA with no chunking options the budget comes from the free memory; a margin that leaves
+    nothing still trains (the plan with the smallest estimate), to the per-sequence gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float32).cuda()
+    exact = copy.deepcopy(model).double()
+    ref_lp, _, ref_grads = flat_reference(exact, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask.cuda()))
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_margin_bytes=margin)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    assert_grads_close({n: g.double() for n, g in grads_of(model).items()}, ref_grads, rel=1e-4)
