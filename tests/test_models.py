@@ -30,7 +30,7 @@ TWINS = {"ref": dta_ref.tree_logprobs, "fast": dta_fast.tree_logprobs}
 
 def loss_of(logprobs):
     weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0))
-    return (logprobs * weights.to(logprobs.dtype) * TREE.logprob_mask).sum()
+    return (logprobs * weights.to(logprobs) * TREE.logprob_mask.to(logprobs.device)).sum()
 
 
 def grads_by_backward(model, logprobs_fn):
