@@ -11,6 +11,7 @@ import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree
 from property_tests.strategies import rollout_sets, seeds
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
+from tests.test_engine import check_plan
 
 _decoders: dict[int, torch.nn.Module] = {}
 
@@ -71,3 +72,9 @@ def test_tree_backward_hf_matches_flat(sequences, chunk, family):
     )
     torch.testing.assert_close(lp, flat.detach(), rtol=0, atol=1e-6)
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, expected, rel=1e-6)
+
+
+@given(sequences=rollout_sets(max_sequences=12, max_len=30), size=st.integers(1, 80), recompute=st.booleans())
+def test_plan_prefix_is_the_path(sequences, size, recompute):
+    """The plan's prefix pieces of every chunk are its first token's ancestors, in open chunks."""
+    check_plan(PrefixTree.from_sequences(sequences), size, recompute)

@@ -398,39 +398,44 @@ def test_cpu_default_is_one_chunk(monkeypatch):
     assert [p.chunks for p in chosen] == [[(0, tree.num_tokens)]]
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_plan_facts(recompute):
+def check_plan(tree, size, recompute):
     """Each chunk's prefix pieces are exactly the ancestors of its first token, in open chunks, in
     packed order; held and saved count the open chunks; steps close last-in first-out."""
-    tree = PrefixTree.from_sequences(agentic_batch(40, 3, 8, 3, 6, 9, 5, vocab_size=64, seed=1) + batch())
     parent, end = tree.parent.tolist(), tree.subtree_end.tolist()
+    plan = plan_chunks(tree, size, recompute)
+    chunks = plan.chunks
+    open_, order = [], []
+    for step in plan.steps:
+        if not step.forward:
+            assert open_[-1] == step.chunk
+            open_.pop()
+            continue
+        c = step.chunk
+        a, b = chunks[c]
+        assert plan.max_end[c] == max(end[a:b])
+        ancestors, p = [], parent[a]
+        while p >= 0:
+            ancestors.append(p)
+            p = parent[p]
+        got = []
+        for piece in plan.prefix(c):
+            owner_start, owner_stop = chunks[piece.owner]
+            assert piece.owner in open_ and 0 <= piece.lo < piece.hi <= owner_stop - owner_start
+            got += range(owner_start + piece.lo, owner_start + piece.hi)
+        assert got == sorted(ancestors) and plan.prefix_tokens[c] == len(ancestors)
+        open_.append(c)
+        order.append(c)
+        assert plan.held[c] == sum(chunks[o][1] - chunks[o][0] for o in open_)
+        assert plan.saved[c] == sum(plan.prefix_tokens[o] for o in open_)
+        assert plan.keeps_graph[c] == (not recompute or plan.max_end[c] <= b)
+    assert order == list(range(plan.num_chunks)) and not open_
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_plan_facts(recompute):
+    tree = PrefixTree.from_sequences(agentic_batch(40, 3, 8, 3, 6, 9, 5, vocab_size=64, seed=1) + batch())
     for size in (1, 4, 17, 60, 10**4):
-        plan = plan_chunks(tree, size, recompute)
-        chunks = plan.chunks
-        open_, order = [], []
-        for step in plan.steps:
-            if not step.forward:
-                assert open_[-1] == step.chunk
-                open_.pop()
-                continue
-            c = step.chunk
-            a, b = chunks[c]
-            assert plan.max_end[c] == max(end[a:b])
-            ancestors, p = [], parent[a]
-            while p >= 0:
-                ancestors.append(p)
-                p = parent[p]
-            got = []
-            for piece in plan.prefix(c):
-                assert piece.owner in open_ and 0 <= piece.lo < piece.hi <= chunks[piece.owner][1] - chunks[piece.owner][0]
-                got += range(chunks[piece.owner][0] + piece.lo, chunks[piece.owner][0] + piece.hi)
-            assert got == sorted(ancestors) and plan.prefix_tokens[c] == len(ancestors)
-            open_.append(c)
-            order.append(c)
-            assert plan.held[c] == sum(chunks[o][1] - chunks[o][0] for o in open_)
-            assert plan.saved[c] == sum(plan.prefix_tokens[o] for o in open_)
-            assert plan.keeps_graph[c] == (not recompute or plan.max_end[c] <= b)
-        assert order == list(range(plan.num_chunks)) and not open_
+        check_plan(tree, size, recompute)
 
 
 @pytest.mark.gpu
