@@ -16,15 +16,17 @@ from torch.utils.checkpoint import checkpoint
 from dta_ref.adapter import adapt
 from dta_ref.logprobs import (
     LogprobsAndEntropy,
+    check_logprob_mask,
     check_temperature,
     entropy_of,
     logprob_dtype,
     next_token_targets,
     scaled_log_softmax,
 )
+from dta_ref.logprobs import _packed_hidden as reference_packed_hidden
 from dta_ref.tree import PrefixTree
 
-from .attention import build_schedule, tree_attention
+from .attention import INTERPRET, build_schedule, tree_attention
 
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 
@@ -39,8 +41,11 @@ class LogprobPairs:
     step: torch.Tensor  # [P] t
 
     @classmethod
-    def of(cls, tree: PrefixTree) -> "LogprobPairs":
+    def of(cls, tree: PrefixTree, mask: torch.Tensor | None = None) -> "LogprobPairs":
+        """Every (sequence, step) with a next-token logprob, or those where ``mask`` [N, Lmax-1] is True."""
         rows, targets, valid = next_token_targets(tree)
+        if mask is not None:
+            valid = valid & mask.to(valid.device)
         seq, step = valid.nonzero(as_tuple=True)
         r = rows[seq, step]
         order = torch.argsort(r, stable=True)
@@ -52,10 +57,69 @@ class LogprobPairs:
         return slice(bounds[0], bounds[1])
 
 
-def _window_logprobs(hidden, head, local_rows, targets, temperature, entropy):
+def _scaled_logits(hidden, weight, temperature):
+    logits = (hidden @ weight.T).float()  # [rows, V]
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T / temperature) at ``targets`` of rows ``inverse``, and each row's entropy.
+
+    Keeps no logits: the forward saves the rows' log-sum-exp (and entropy),
+    the backward recomputes the logits once and forms
+    d/dz = g_lp (onehot - p) - g_H p (log p + H) in place, a few passes over
+    [rows, V] instead of autograd's dozen.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, inverse, targets, temperature: float, with_entropy: bool):
+        z = _scaled_logits(hidden, weight, temperature)  # [R, V] float32
+        lse = torch.logsumexp(z, dim=-1)  # [R]
+        picked = z[inverse, targets] - lse[inverse]  # [P]
+        entropy = None
+        if with_entropy:
+            logp = z.sub_(lse[:, None])
+            entropy = -(logp.exp() * logp).sum(-1)  # [R]
+        ctx.save_for_backward(hidden, weight, inverse, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return picked, entropy[inverse] if with_entropy else picked.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, g_picked, g_entropy):
+        hidden, weight, inverse, targets, lse, entropy = ctx.saved_tensors
+        R = hidden.shape[0]
+        logp = _scaled_logits(hidden, weight, ctx.temperature).sub_(lse[:, None])  # [R, V]
+        grad = logp.exp()  # p
+        g_rows = torch.zeros(R, dtype=grad.dtype, device=grad.device)
+        if g_picked is not None:
+            g_rows.index_add_(0, inverse, g_picked.to(grad.dtype))
+        if g_entropy is not None and entropy is not None:
+            h_rows = torch.zeros_like(g_rows).index_add_(0, inverse, g_entropy.to(grad.dtype))
+            # dH/dz = -p (log p + H): fold into one factor with the -p g_lp term
+            logp.add_(entropy[:, None]).mul_(h_rows[:, None]).add_(g_rows[:, None])
+            grad.mul_(logp).neg_()
+        else:
+            grad.mul_(-g_rows[:, None])
+        if g_picked is not None:
+            grad.index_put_((inverse, targets), g_picked.to(grad.dtype), accumulate=True)
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        grad = grad.to(weight.dtype)
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _fusable(head) -> bool:
+    """A plain bias-free linear head with an ordinary weight (not a sharded DTensor, not a LoRA layer)."""
+    return type(head) is torch.nn.Linear and head.bias is None and type(head.weight) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _window_logprobs(hidden, head, inverse, targets, temperature, entropy):
     logp = scaled_log_softmax(head(hidden), temperature)  # [rows, V]
-    picked = logp[local_rows, targets]
-    return torch.stack([picked, entropy_of(logp)[local_rows]]) if entropy else picked
+    picked = logp[inverse, targets]
+    return picked, entropy_of(logp)[inverse] if entropy else picked.new_zeros(0)
 
 
 def rows_logprobs(
@@ -64,52 +128,54 @@ def rows_logprobs(
 ):  # fmt: skip
     """log p(targets[p] | hidden[rows[p]]) for ``rows`` sorted ascending ([2, P] with entropies, with ``entropy``).
 
-    Every row's logits are computed once, however many (sequence, step) pairs
-    read it (at a branch point several do), in windows of ``chunk_rows`` rows
-    under activation checkpointing, so at most one window of logits is alive.
+    Only the rows some pair reads are projected, each once however many
+    (sequence, step) pairs read it (at a branch point several do), in windows
+    of ``chunk_rows`` rows, so at most one window of logits is alive in the
+    forward and in the backward.
     """
     dtype = logprob_dtype(hidden.dtype)
     if rows.numel() == 0:
-        return hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
-    T = hidden.shape[0]
+        out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
+        return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is
     if chunk_rows is None:
         chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
-    bounds = torch.arange(0, T + chunk_rows, chunk_rows, device=rows.device).clamp(max=T)
-    pair_bounds = torch.searchsorted(rows, bounds).tolist()
+    unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
+    bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
+    pair_bounds = torch.searchsorted(inverse, bounds).tolist()
     bounds = bounds.tolist()
-    pieces = []
+    fused = _fusable(head)
+    picked, entropies = [], []
     for c in range(len(bounds) - 1):
-        lo, hi = pair_bounds[c], pair_bounds[c + 1]
-        if lo == hi:
-            continue
-        r0, r1 = bounds[c], bounds[c + 1]
-        args = (hidden[r0:r1], head, rows[lo:hi] - r0, targets[lo:hi], temperature, entropy)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            pieces.append(checkpoint(_window_logprobs, *args, use_reentrant=False))
+        (u0, u1), (lo, hi) = bounds[c : c + 2], pair_bounds[c : c + 2]
+        args = (hidden[unique[u0:u1]], inverse[lo:hi] - u0, targets[lo:hi], temperature, entropy)
+        if fused:
+            lp, ent = _HeadLogprobs.apply(args[0], head.weight, *args[1:])
+        elif torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = checkpoint(_window_logprobs, args[0], head, *args[1:], use_reentrant=False)
         else:
-            pieces.append(_window_logprobs(*args))
-    return torch.cat(pieces, dim=-1).to(dtype)
+            lp, ent = _window_logprobs(args[0], head, *args[1:])
+        picked.append(lp)
+        entropies.append(ent)
+    out = torch.cat(picked)
+    return (torch.stack([out, torch.cat(entropies)]) if entropy else out).to(dtype)
 
 
 def gather_logprobs_chunked(
     hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None,
-    temperature: float = 1.0, entropy: bool = False,
+    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None,
 ):  # fmt: skip
     """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows.
 
-    With ``entropy``, a :class:`dta_ref.logprobs.LogprobsAndEntropy` of both.
+    With ``entropy``, a :class:`dta_ref.logprobs.LogprobsAndEntropy` of both;
+    with ``mask``, only the masked-in entries are computed (0 elsewhere).
     """
-    pairs = LogprobPairs.of(tree)
+    pairs = LogprobPairs.of(tree, mask)
     values = rows_logprobs(hidden, head, pairs.rows, pairs.targets, chunk_rows, temperature, entropy)
     values = values if entropy else values[None]
     out = []
     for v in values:
         padded = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=v.dtype, device=hidden.device)
-        if v.numel():
-            padded = padded.index_put((pairs.seq, pairs.step), v)
-        else:  # no next-token logprob at all: still return a tensor attached to the graph, as dta_ref does
-            padded = padded + 0.0 * hidden.sum()
-        out.append(padded)
+        out.append(padded.index_put((pairs.seq, pairs.step), v))
     return LogprobsAndEntropy(*out) if entropy else out[0]
 
 
@@ -118,6 +184,8 @@ def _packed_hidden(model, tree: PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
     adapter = adapt(model)
+    if adapter.device.type != "cuda" and not INTERPRET:  # the rule of every dta_fast entry point (README)
+        return reference_packed_hidden(model, tree)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
     schedule = build_schedule(tree.subtree_end, validate=False)  # tree.validate() checked it
@@ -128,15 +196,15 @@ def _packed_hidden(model, tree: PrefixTree):
     return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
 
 
-def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0) -> torch.Tensor:
+def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> torch.Tensor:
     """Logprobs of every rollout [N, Lmax-1] from one packed forward with the Triton tree kernel."""
-    temperature = check_temperature(temperature)
+    temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     hidden, head, tree = _packed_hidden(model, tree)
-    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature)
+    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, mask=mask)
 
 
-def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0) -> LogprobsAndEntropy:
+def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> LogprobsAndEntropy:
     """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
-    temperature = check_temperature(temperature)
+    temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     hidden, head, tree = _packed_hidden(model, tree)
-    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True)
+    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True, mask=mask)

@@ -33,7 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dta_ref.padded import PaddedLayout
 
-from ._trainers import LinearizedLoss, packed_logprobs_and_entropy
+from ._trainers import LinearizedLoss, block_logprobs_and_entropy
 from .engine import tree_backward
 from .tree import build_tree
 
@@ -85,14 +85,14 @@ class TreeGRPOTrainer(GRPOTrainer):
         first = input_ids.size(1) - logits_to_keep  # the completion block's first column
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            layout = PaddedLayout.of(mask)
-            tree = build_tree(layout.sequences(ids))
-            self._log_compression(tree)
+            rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
-                out = packed_logprobs_and_entropy(model, tree, self.temperature)
-            logps.append(layout.from_tree(out.logprobs, first, logits_to_keep))
-            entropies.append(layout.from_tree(out.entropy, first, logits_to_keep))
+                lp, ent, tree = block_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], first, self.temperature
+                )
+            self._log_compression(tree)
+            logps.append(lp)
+            entropies.append(ent)
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs):

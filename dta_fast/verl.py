@@ -19,8 +19,7 @@ import torch
 
 from dta_ref.padded import PaddedLayout
 
-from .tree import build_tree
-from ._trainers import packed_logprobs_and_entropy
+from ._trainers import block_logprobs_and_entropy
 
 
 @dataclass
@@ -67,8 +66,7 @@ def verl_log_probs(
     real = attention_mask.bool().to(position_ids.device)
     if not torch.equal(position_ids[real], depth[real]):
         raise ValueError("position_ids must count the tokens of each row from 0 (verl's text positions)")
-    tree = build_tree(layout.sequences(input_ids))
-    out = packed_logprobs_and_entropy(model, tree, temperature)
-    first = width - response_length
-    entropy = layout.from_tree(out.entropy, first, response_length) if calculate_entropy else None
-    return ResponseLogProbs(layout.from_tree(out.logprobs, first, response_length), entropy)
+    log_probs, entropy, _ = block_logprobs_and_entropy(
+        model, input_ids, attention_mask, width - response_length, temperature
+    )
+    return ResponseLogProbs(log_probs, entropy if calculate_entropy else None)

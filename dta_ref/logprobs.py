@@ -59,6 +59,18 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
+def check_logprob_mask(mask, tree: PrefixTree):
+    """None, or a bool [N, Lmax-1] tensor choosing which logprobs to compute."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    shape = (tree.num_sequences, tree.max_length - 1)
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, the tree's logprobs {shape}")
+    return mask
+
+
 def scaled_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) over the last dimension, in :func:`logprob_dtype`."""
     logits = logits.to(logprob_dtype(logits.dtype))
@@ -70,9 +82,15 @@ def entropy_of(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def gather_tree_logprobs(hidden: torch.Tensor, head, tree: PrefixTree, temperature: float = 1.0, entropy=False):
-    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden] (and entropies, with ``entropy``)."""
+def gather_tree_logprobs(
+    hidden: torch.Tensor, head, tree: PrefixTree, temperature: float = 1.0, entropy=False, mask=None
+):
+    """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden] (and entropies, with ``entropy``).
+
+    With ``mask`` [N, Lmax-1], entries outside it are 0.
+    """
     rows, targets, valid = next_token_targets(tree)
+    valid = valid if mask is None else valid & mask.to(valid.device)
     logp = scaled_log_softmax(head(hidden), temperature)  # [T, V]
     out = logp[rows, targets].masked_fill(~valid, 0.0)
     if not entropy:
@@ -95,22 +113,24 @@ def _packed_hidden(model, tree: PrefixTree):
     return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
 
 
-def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0) -> torch.Tensor:
+def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> torch.Tensor:
     """Logprobs of every rollout from one packed forward over the tree (explicit mask).
 
     ``temperature`` divides the logits first, as an RL trainer scoring its
-    samples at the sampling temperature does.
+    samples at the sampling temperature does. ``mask`` (bool [N, Lmax-1]):
+    only those logprobs are wanted (the others are 0), so a trainer that
+    scores responses only never projects its prompt rows.
     """
-    temperature = check_temperature(temperature)
+    temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     hidden, head, tree = _packed_hidden(model, tree)
-    return gather_tree_logprobs(hidden, head, tree, temperature)
+    return gather_tree_logprobs(hidden, head, tree, temperature, mask=mask)
 
 
-def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0) -> LogprobsAndEntropy:
+def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> LogprobsAndEntropy:
     """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
-    temperature = check_temperature(temperature)
+    temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     hidden, head, tree = _packed_hidden(model, tree)
-    return gather_tree_logprobs(hidden, head, tree, temperature, entropy=True)
+    return gather_tree_logprobs(hidden, head, tree, temperature, entropy=True, mask=mask)
 
 
 def flat_logprobs(model, sequences, *, temperature: float = 1.0) -> torch.Tensor:

@@ -194,3 +194,34 @@ def test_sequence_classification_model_is_refused():
     model = transformers.Qwen2ForSequenceClassification(config)
     with pytest.raises(TypeError, match="has no language-model head"):
         dta_ref.tree_logprobs(model, TREE)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_with_a_mask(temperature):
+    """Both twins: logprobs and entropies at the sampling temperature, only where the mask asks, exact gradients."""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=12).to(DEVICE)
+    mask = TREE.response_mask([3, 3, 3, 2, 1])
+    w_lp, w_ent = (torch.randn(mask.shape, generator=torch.Generator().manual_seed(s)).to(DEVICE) for s in (1, 2))
+    want_lp = torch.zeros(mask.shape, device=DEVICE)
+    want_ent = torch.zeros(mask.shape, device=DEVICE)
+    for i, seq in enumerate(SEQUENCES):  # each rollout alone
+        ids = torch.tensor(seq, device=DEVICE)[None]
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / temperature, -1)
+        want_lp[i, : len(seq) - 1] = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        want_ent[i, : len(seq) - 1] = -(logp.exp() * logp).sum(-1)
+    m = mask.to(DEVICE)
+    want_lp, want_ent = want_lp * m, want_ent * m
+    want = torch.autograd.grad((want_lp * w_lp + want_ent * w_ent).sum(), list(model.parameters()))
+    for twin in (dta_ref.tree_logprobs_and_entropy, dta_fast.tree_logprobs_and_entropy):
+        out = twin(model, TREE, temperature=temperature, mask=mask)
+        torch.testing.assert_close(out.logprobs, want_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.entropy, want_ent, rtol=1e-5, atol=1e-5)
+        got = torch.autograd.grad((out.logprobs * w_lp + out.entropy * w_ent).sum(), list(model.parameters()))
+        got, flat = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in want])
+        assert float((got - flat).norm() / flat.norm()) < 1e-5, twin.__module__
+    with pytest.raises(ValueError, match="mask has shape"):
+        dta_fast.tree_logprobs(model, TREE, mask=mask[:, 1:])
+    with pytest.raises(TypeError, match="bool tensor"):
+        dta_ref.tree_logprobs(model, TREE, mask=mask.float())
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        dta_fast.tree_logprobs(model, TREE, temperature=0.0)
