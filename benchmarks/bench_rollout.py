@@ -117,8 +117,8 @@ def train(model, seconds, batch, device, log):
         opt.zero_grad(set_to_none=True)
         step += 1
         if step % 100 == 0:
-            losses.append((step, round(time.time() - start, 1), float(loss)))
-            log(f"  train step {step}  {time.time() - start:.0f}s  loss {float(loss):.4f}")
+            losses.append((step, round(time.time() - start, 1), loss.item()))
+            log(f"  train step {step}  {time.time() - start:.0f}s  loss {losses[-1][2]:.4f}")
     model.eval()
     return {"steps": step, "seconds": time.time() - start, "batch": batch, "losses": losses}
 
@@ -213,8 +213,12 @@ def throughput(model, label, prompts, args, log):
     rows = []
     gen = lambda s: torch.Generator(device=DEVICE).manual_seed(s)  # noqa: E731
     kw = dict(temperature=1.0, eos_token_id=EOS)
-    dta_fast.sample(model, prompts[:4], 16, generator=gen(0), **kw)  # warm-up (Triton compiles)
-    dta_fast.speculative_sample(model, prompts[:4], 16, cache=dta_ref.RolloutCache(), generator=gen(0), **kw)
+    # warm-up: Triton compiles the kernel's variants (one query per row; padded draft trees)
+    warm = dta_fast.sample(model, prompts[:4], 48, generator=gen(0), **kw)
+    primed = dta_ref.RolloutCache()
+    for p, c in zip(prompts[:4], warm.completions):
+        primed.add(p, c)
+    dta_fast.speculative_sample(model, prompts[:4], 48, cache=primed, generator=gen(0), **kw)
     out, s = timed(lambda: dta_fast.sample(model, prompts, args.max_new_tokens, generator=gen(1), **kw))
     rows.append(row(f"{label}: dta_fast.sample", 0, out.completions, s, out.stats, prompts))
     log(f"  {rows[-1]}")

@@ -10,7 +10,7 @@ the ``attend`` closure keeps the KV cache per layer:
 - a buffer [B, Hkv, L, D] per layer; row b holds its ``length[b]`` cached
   tokens at [0, length[b]), ragged across rows;
 - a step with Tq new tokens per row (padded) writes their K/V at the window
-  [W - Tq, W), W = max(length) + Tq, and attends keys [0, W): that is
+  [W - Tq, W), W >= max(length) + Tq, and attends keys [0, W): that is
   ``tree_attention`` with a cached prefix (Tq < Tk), where ``subtree_end`` is
   W for a row's cached tokens (every query sees them), j + 1 for the unused
   gap between length[b] and the window (no query sees it) and the draft
@@ -48,8 +48,15 @@ from dta_ref.rollout import (
 from .attention import build_schedule, tree_attention
 
 
+ALIGN = 16
+
+
 def _use_kernel(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class _KVEngine:
@@ -80,8 +87,11 @@ class _KVEngine:
         B = len(drafts)
         P = [len(p) for p in self.pending]
         q_len = [p + len(d) for p, d in zip(P, drafts)]
+        # Triton specialises integer arguments on ==1 and on divisibility by 16: rounding the query
+        # count (past 1) and the key count up to multiples of 16 keeps the compiled variants to two
         Tq = max(q_len)
-        W = max(self.lengths) + Tq
+        Tq = Tq if Tq == 1 else _round_up(Tq, ALIGN)
+        W = _round_up(max(self.lengths) + Tq, ALIGN)
         if W > self.capacity:
             raise RuntimeError(f"KV buffer of {self.capacity} tokens is too short for a window of {W}")
         ids = np.zeros((B, Tq), dtype=np.int64)
@@ -161,7 +171,7 @@ def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draf
     device = model_device(model)
     run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
     longest = max(map(len, prompts))
-    engine = _KVEngine(model, prompts, longest + max_new_tokens + max(longest, max_draft_tokens + 1))
+    engine = _KVEngine(model, prompts, longest + max_new_tokens + max(longest, max_draft_tokens + 1) + 2 * ALIGN)
     active = run.active()
     while active:
         drafts = run.drafts(active)
