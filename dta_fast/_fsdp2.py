@@ -140,6 +140,8 @@ def fsdp2_shard_backward(root, run_shard, group):
 
     Returns what ``run_shard`` returns. Gradients already in the sharded
     ``.grad`` are kept and added to; the model's FSDP settings are unchanged.
+    ``run_shard`` must fail on every rank or on none (the caller agrees on it):
+    then nothing is reduced and the modules are resharded.
     """
     if not hasattr(root, "set_force_sum_reduction_for_comms"):
         raise RuntimeError(
@@ -154,7 +156,12 @@ def fsdp2_shard_backward(root, run_shard, group):
         handles = [m.unshard(async_op=True) for m in root.modules() if is_fsdp2(m)]
         for handle in handles:
             handle.wait()
-        result = run_shard(root)
+        try:
+            result = run_shard(root)
+        except Exception:  # every rank fails here together (distributed.py agrees first): no reduction
+            for module in (m for m in root.modules() if is_fsdp2(m)):
+                module.reshard()
+            raise
         saved.restore()  # reshard after backward (or not) as the model was set up to
         _reduce_once(root)
     finally:

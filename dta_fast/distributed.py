@@ -7,15 +7,23 @@ the parameter gradients are summed over ranks, so every rank ends with the
 gradient of the whole batch's loss, the same as one process training the
 whole batch. A model wrapped with FSDP2 (``fully_shard``) is handled in
 :mod:`dta_fast._fsdp2`.
+
+No rank waits on a rank that failed: each rank checks its shard (its tree,
+token ids, the loss built for it) and then trains it inside a guard, and the
+ranks agree on "did anyone fail" before the first gradient collective and
+before the reduction. If one did, every rank raises the same error, naming
+the rank and its message, within the time of one small all-reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from dta_ref.adapter import adapt
 from dta_ref.losses import TokenLoss
 
 from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
@@ -69,6 +77,46 @@ def _shared_plan(sequences, world, cost_model, plan, rank, group):
     return payload
 
 
+class DistributedResult(NamedTuple):
+    """What :func:`distributed_tree_backward` returns; unpacks as ``logprobs, loss, indices``."""
+
+    logprobs: torch.Tensor  # this rank's sequences' logprobs [n, Lmax-1], detached
+    loss: torch.Tensor  # the whole batch's total loss, the same on every rank
+    indices: list  # global indices of this rank's sequences, in the rows' order
+
+
+def _agree(error: BaseException | None, group) -> None:
+    """Every rank learns whether any rank of ``group`` failed; then all raise the same error.
+
+    Costs one all-reduce of one integer when nothing failed.
+    """
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    failed = torch.tensor([0 if error is None else 1], device=device)
+    dist.all_reduce(failed, group=group)
+    if int(failed.item()) == 0:
+        return
+    world = dist.get_world_size(group)
+    mine = None if error is None else (type(error).__name__, str(error))
+    reports = [None] * world
+    dist.all_gather_object(reports, mine, group=group)
+    failures = [(r, kind, text) for r, report in enumerate(reports) if report is not None for kind, text in [report]]
+    kinds = {kind for _, kind, _ in failures}
+    cls = TypeError if kinds == {"TypeError"} else ValueError if kinds <= {"ValueError", "TypeError"} else RuntimeError
+    message = "distributed_tree_backward failed on " + "; ".join(f"rank {r}: {kind}: {text}" for r, kind, text in failures)
+    raise cls(message) from error
+
+
+def _guarded(step, group):
+    """``step()`` on every rank, then agreement: its result, or the same error on every rank."""
+    try:
+        result, error = step(), None
+    except Exception as caught:  # any failure: the other ranks must not wait on this one
+        result, error = None, caught
+    _agree(error, group)
+    return result
+
+
 def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_model=None, plan=None, **options):
     """Train the whole batch across the ranks of ``group``; every rank's ``.grad`` gets the whole gradient.
 
@@ -84,46 +132,69 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     (``max_chunk_tokens``, ``memory_budget_bytes``, ``recompute``, ...).
     Gradients already in ``.grad`` are kept and added to, not reduced again.
 
-    Returns ``(loss, logprobs, indices)``: the whole batch's total loss (the
-    same on every rank), and this rank's per-sequence logprobs with the global
-    indices of its sequences.
+    Returns a :class:`DistributedResult` ``(logprobs, loss, indices)``, the
+    order of ``tree_backward``'s ``(logprobs, loss)``: this rank's
+    per-sequence logprobs, the whole batch's total loss (the same on every
+    rank) and the global indices of this rank's sequences.
+
+    An error on any rank (a bad token in its shard, a loss built for another
+    shape, a failure while training) makes every rank raise the same
+    ValueError/TypeError/RuntimeError naming the rank, before any gradient
+    is reduced; ``.grad`` is then as it was before the call (plain and DDP
+    models).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shard = _shared_plan(sequences, world, cost_model, plan, rank, group)[rank]
-    module, no_sync = _unwrap(model)
 
-    def run_shard(module):
-        """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
-        device = next(module.parameters()).device
+    def prepare():
+        """This rank's checks before any gradient collective: the module, its shard's tree and loss."""
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
+        module, no_sync = _unwrap(model)
         if not shard:
-            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, device=device)
+            return module, no_sync, None, None
         tree = build_tree([sequences[i] for i in shard])
-        width = tree.max_length - 1
+        adapt(module).check_token_ids(tree.tokens)
         if isinstance(loss_fn, TokenLoss):
-            local_fn = loss_fn.rows(shard, width)  # the shard's rows only, moved to the GPU once
+            if loss_fn.shape[0] != len(sequences):
+                raise ValueError(f"loss_fn was built for {loss_fn.shape[0]} sequences, the batch has {len(sequences)}")
+            local_fn = loss_fn.rows(shard, min(tree.max_length - 1, loss_fn.shape[1]))  # moved to the GPU once
         else:
 
             def local_fn(j, lp):
                 return loss_fn(shard[j], lp)
 
+        tree.validate(local_fn)
+        return module, no_sync, tree, local_fn
+
+    module, no_sync, tree, local_fn = _guarded(prepare, group)
+
+    def run_shard(module):
+        """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
+        device = next(module.parameters()).device
+        if tree is None:
+            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, device=device)
         with no_sync:
             logprobs, loss = tree_backward(module, tree, local_fn, **options)
         return loss.detach().double(), logprobs
 
     if is_fsdp2(module):  # FSDP2 reduce-scatters once, at the end, adding to the .grad already there
-        local_loss, logprobs = fsdp2_shard_backward(module, run_shard, group)
+        local_loss, logprobs = fsdp2_shard_backward(module, lambda m: _guarded(lambda: run_shard(m), group), group)
         dist.all_reduce(local_loss, group=group)
-        return local_loss, logprobs, list(shard)
+        return DistributedResult(logprobs, local_loss, list(shard))
 
     params = [p for p in module.parameters() if p.requires_grad]
     kept = [p.grad for p in params]  # reduce only this call's gradients
     for p in params:
         p.grad = None
-    local_loss, logprobs = run_shard(module)
+    try:
+        local_loss, logprobs = _guarded(lambda: run_shard(module), group)
+    except Exception:
+        for p, g in zip(params, kept):  # as before the call
+            p.grad = g
+        raise
     for p in params:  # a rank with an empty shard still takes part in every collective
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -135,4 +206,4 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     for p, g in zip(params, kept):
         if g is not None:
             p.grad += g
-    return local_loss, logprobs, list(shard)
+    return DistributedResult(logprobs, local_loss, list(shard))

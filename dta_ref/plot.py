@@ -15,6 +15,7 @@ above the image and ``subtree_end[j]`` below it.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -195,8 +196,12 @@ def example_sequences():
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    path = argv[0] if argv else "docs/images/prefix_tree.png"
+    parser = argparse.ArgumentParser(
+        prog="python -m dta_ref.plot",
+        description="Draw the example forest (a GRPO group, an agent's turns, a lone sample) and its mask.",
+    )
+    parser.add_argument("path", nargs="?", default="docs/images/prefix_tree.png", help="PNG to write (%(default)s)")
+    path = parser.parse_args(sys.argv[1:] if argv is None else argv).path
     sequences, words = example_sequences()
     out = draw_tree(sequences, path, title="Rollouts packed as a preorder forest, and its tree attention mask",
                     token_labels=words)

@@ -99,7 +99,7 @@ def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=N
     if wrap_ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
-    loss, logprobs, indices = dta_fast.distributed_tree_backward(
+    logprobs, loss, indices = dta_fast.distributed_tree_backward(
         model, sequences, loss_fn, max_chunk_tokens=chunk, plan=shards  # a forced plan, e.g. with empty shards
     )
     module = model.module if wrap_ddp else model
@@ -198,7 +198,7 @@ def _check_nccl_rank(rank, world, expected):
     model = _model("decoder").float().cuda()
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
     loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
-    loss, _, _ = dta_fast.distributed_tree_backward(model, _batch(), loss_fn, max_chunk_tokens=8)
+    _, loss, _ = dta_fast.distributed_tree_backward(model, _batch(), loss_fn, max_chunk_tokens=8)
     torch.testing.assert_close(loss.cpu(), exp_loss, rtol=1e-4, atol=1e-5)
     scale = max(g.abs().max().item() for g in exp_grads)
     for p, g in zip(model.module.parameters(), exp_grads):
@@ -295,7 +295,7 @@ def _check_fsdp_rank(world, kind, generic, options, batch, expected, shards, nex
         p.grad = torch.full_like(p, 0.25)  # this rank's shard of gradients already there: kept and added to
     loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
     with _fsdp_collectives_counted() as counts:
-        loss, logprobs, indices = dta_fast.distributed_tree_backward(model, sequences, loss_fn, plan=shards, **options)
+        logprobs, loss, indices = dta_fast.distributed_tree_backward(model, sequences, loss_fn, plan=shards, **options)
     # each parameter group: gathered once before the shard trains, reduced once after, whatever the chunks
     groups = sum(isinstance(m, FSDPModule) for m in model.modules())
     assert counts == {"all_gather": groups, "reduce_scatter": groups}
@@ -414,7 +414,7 @@ def _check_nccl_fsdp_rank(rank, world, expected):
     loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
     for recompute in (True, False):
         model.zero_grad()
-        loss, _, _ = dta_fast.distributed_tree_backward(
+        _, loss, _ = dta_fast.distributed_tree_backward(
             model, _batch(), loss_fn, max_chunk_tokens=8, recompute=recompute
         )
         torch.testing.assert_close(loss.cpu(), exp_loss, rtol=1e-4, atol=1e-5)
@@ -427,3 +427,85 @@ def _check_nccl_fsdp_rank(rank, world, expected):
 def test_nccl_fsdp2(tmp_path):
     """FSDP2 on GPUs with NCCL and the Triton kernel: float32 sums (no PREMUL_SUM), recomputed and kept graphs."""
     _spawn_nccl(tmp_path, _check_nccl_fsdp_rank)
+
+
+# ----------------------------------------------------------- errors agreed across ranks
+
+
+def _check_errors_agreed(rank, world):
+    """A bad input on one rank raises the same clear error on every rank, in seconds, and the group stays usable."""
+    import time
+
+    import dta_fast
+
+    sequences = _batch()
+    model = _model("decoder")
+    vocab = model.embed.num_embeddings
+    shards = [list(range(0, len(sequences), 2)), list(range(1, len(sequences), 2))]
+    tree = PrefixTree.from_sequences(sequences)
+    old = torch.zeros(tree.seq_index.shape[0], tree.max_length - 1, dtype=torch.float64)
+    adv = torch.ones(tree.num_sequences, dtype=torch.float64)
+    good = PolicyGradientLoss(old, adv, tree.logprob_mask)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+
+    def bad_token():  # rank 1's shard holds a token outside the vocabulary; rank 0's is fine
+        seqs = [list(s) for s in sequences]
+        seqs[shards[1][0]][-1] = vocab + 7
+        return seqs, good
+
+    def wrong_shape():  # rank 1 passes a loss built for other logprobs
+        return sequences, good if rank == 0 else PolicyGradientLoss(old[:, :-1], adv, tree.logprob_mask[:, :-1])
+
+    def mask_past_end():  # rank 1's loss masks a token past a sequence's end
+        mask = tree.logprob_mask.clone()
+        mask[shards[1][0], -1] = True
+        mask[shards[1][0], : int(tree.lengths[shards[1][0]]) - 1] = True
+        return sequences, good if rank == 0 else PolicyGradientLoss(old, adv, mask)
+
+    def loss_raises():  # a generic loss that fails while rank 1 trains
+        def loss_fn(i, lp):
+            if i == shards[1][-1]:
+                raise ZeroDivisionError("no reward for this sequence")
+            return lp.sum()
+
+        return sequences, loss_fn
+
+    cases = [
+        (bad_token, ValueError, rf"rank 1: ValueError: token id {vocab + 7} is out of range"),
+        (wrong_shape, ValueError, r"rank 1: ValueError: loss_fn was built for logprobs of shape"),
+        (mask_past_end, ValueError, r"rank 1: ValueError: the loss mask is True at step"),
+        (loss_raises, RuntimeError, r"rank 1: ZeroDivisionError: no reward for this sequence"),
+    ]
+    before = [p.grad.clone() for p in model.parameters()]
+    for make, error, match in cases:
+        seqs, loss_fn = make()
+        start = time.monotonic()
+        with pytest.raises(error, match=match):
+            dta_fast.distributed_tree_backward(model, seqs, loss_fn, plan=shards, max_chunk_tokens=6)
+        assert time.monotonic() - start < 20, f"{make.__name__}: the ranks took too long to agree"
+        for p, g in zip(model.parameters(), before):  # .grad as before the call
+            assert torch.equal(p.grad, g)
+    # the collectives stayed paired: a good call afterwards works on every rank
+    logprobs, loss, indices = dta_fast.distributed_tree_backward(model, sequences, good, plan=shards)
+    assert indices == shards[rank] and torch.isfinite(loss)
+
+
+def _timeout_worker(rank, world, init_file, check):
+    """A gloo group whose collectives time out after 60 s: a hang fails the test instead of stalling it."""
+    import datetime
+
+    sys.path.insert(0, ROOT)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        check(rank, world)
+        dist.barrier()
+    finally:
+        _destroy_group()
+
+
+def test_errors_agreed_across_ranks(tmp_path):
+    mp.spawn(_timeout_worker, args=(2, str(tmp_path / "init"), _check_errors_agreed), nprocs=2, join=True)
