@@ -89,9 +89,11 @@ class _KVEngine:
         q_len = [p + len(d) for p, d in zip(P, drafts)]
         # Triton specialises integer arguments on ==1 and on divisibility by 16: rounding the query
         # count (past 1) and the key count up to multiples of 16 keeps the compiled variants to two
+        kernel = _use_kernel(self.device)
+        align = ALIGN if kernel else 1
         Tq = max(q_len)
-        Tq = Tq if Tq == 1 else _round_up(Tq, ALIGN)
-        W = _round_up(max(self.lengths) + Tq, ALIGN)
+        Tq = Tq if Tq == 1 else _round_up(Tq, align)
+        W = _round_up(max(self.lengths) + Tq, align)
         if W > self.capacity:
             raise RuntimeError(f"KV buffer of {self.capacity} tokens is too short for a window of {W}")
         ids = np.zeros((B, Tq), dtype=np.int64)
@@ -112,7 +114,7 @@ class _KVEngine:
         pos_t = torch.from_numpy(pos).to(self.device, non_blocking=True)
         ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if _use_kernel(self.device):
+        if kernel:
             schedule, mask = build_schedule(ends_t.to(torch.int32), Tq, validate=False), None
         else:
             schedule, mask = None, mask_from_subtree_end(ends_t, torch.arange(q0, W, device=self.device))[:, None]
