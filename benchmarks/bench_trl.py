@@ -82,16 +82,21 @@ def micro_batch(prompt_length, group_size, completion_length, vocab, seed=0):
     return {k: v.cuda() for k, v in inputs.items()}
 
 
-def ideal_speedup(config, prompt_length, lengths):
-    """FLOPs of every sequence alone over the tree's: dense layers per token, attention per (query, key) pair."""
-    dense_per_token = 6 * 12 * config.num_hidden_layers * config.hidden_size**2  # order of magnitude is enough
-    attn_per_pair = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+def ideal_speedup(model, prompt_length, lengths):
+    """FLOPs of every sequence alone over the tree's.
+
+    6 per dense parameter per token, attention per (query, key) pair, and the
+    vocabulary projection of the scored (completion) tokens, the same in both.
+    """
+    cfg = model.config
+    dense = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    per_pair = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    head = 6 * cfg.hidden_size * cfg.vocab_size * sum(lengths)
     flat_tokens = sum(prompt_length + n for n in lengths)
     flat_pairs = sum((prompt_length + n) * (prompt_length + n + 1) // 2 for n in lengths)
     tree_tokens = prompt_length + sum(lengths)
     tree_pairs = prompt_length * (prompt_length + 1) // 2 + sum(n * prompt_length + n * (n + 1) // 2 for n in lengths)
-    cost = lambda tokens, pairs: dense_per_token * tokens + attn_per_pair * pairs  # noqa: E731
-    return cost(flat_tokens, flat_pairs) / cost(tree_tokens, tree_pairs)
+    return (6 * dense * flat_tokens + per_pair * flat_pairs + head) / (6 * dense * tree_tokens + per_pair * tree_pairs + head)
 
 
 def timed_step(trainer, inputs, repeats):
@@ -159,7 +164,7 @@ def main():
             inputs = micro_batch(P, G, R, config.vocab_size)
             lengths = inputs["completion_mask"].sum(1).tolist()
             row = dict(group=key, prompt=P, completions=G, completion_length=R, completion_tokens=sum(lengths),
-                       ideal_speedup=ideal_speedup(config, P, lengths), tree_build_ms=tree_build_ms(inputs), runs={})  # fmt: skip
+                       ideal_speedup=ideal_speedup(weights, P, lengths), tree_build_ms=tree_build_ms(inputs), runs={})  # fmt: skip
             for checkpointing in (False, True):
                 results = {}
                 for name, trainer_cls, config_cls in (

@@ -5,22 +5,35 @@ from __future__ import annotations
 from dta_ref.losses import TokenLoss
 from dta_ref.padded import PaddedLayout
 
-from .logprobs import tree_logprobs_and_entropy
+from dta_ref.adapter import adapt
+from dta_ref.logprobs import _packed_hidden as reference_packed_hidden
+from dta_ref.logprobs import check_temperature
+
+from .logprobs import _packed_hidden, gather_logprobs_chunked
 from .tree import build_tree
 
 
-def block_logprobs_and_entropy(model, input_ids, attention_mask, first_column: int, temperature: float = 1.0):
+def block_logprobs_and_entropy(
+    model, input_ids, attention_mask, first_column: int, temperature: float = 1.0, vocab_head=None
+):
     """Logprobs and entropies [B, L - first_column] of a padded batch's tokens from ``first_column`` on.
 
     One prefix tree of the rows, one packed forward; only the block's tokens
-    are projected onto the vocabulary. Also returns the tree (its compression
-    ratio is worth logging).
+    are projected onto the vocabulary (by ``vocab_head``, see
+    :func:`dta_fast.logprobs.gather_logprobs_chunked`). Also returns the tree
+    (its compression ratio is worth logging).
     """
+    temperature = check_temperature(temperature)
     layout = PaddedLayout.of(attention_mask)
     tree = build_tree(layout.sequences(input_ids))
     block = attention_mask[:, first_column:].bool()
     wanted = layout.to_tree(block, first_column, fill=False)
-    out = tree_logprobs_and_entropy(model, tree, temperature=temperature, mask=wanted)
+    # the kernel on CUDA; elsewhere the reference attention (trainers on CPU are tests and small runs)
+    packed_hidden = _packed_hidden if adapt(model).device.type == "cuda" else reference_packed_hidden
+    hidden, head, tree = packed_hidden(model, tree)
+    out = gather_logprobs_chunked(
+        hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head
+    )
     columns = input_ids.shape[1] - first_column
     return layout.from_tree(out.logprobs, first_column, columns), layout.from_tree(out.entropy, first_column, columns), tree
 

@@ -162,15 +162,23 @@ def rows_logprobs(
 
 def gather_logprobs_chunked(
     hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None,
-    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None,
+    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None, vocab_head=None,
 ):  # fmt: skip
     """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows.
 
     With ``entropy``, a :class:`dta_ref.logprobs.LogprobsAndEntropy` of both;
     with ``mask``, only the masked-in entries are computed (0 elsewhere).
+    ``vocab_head(hidden_rows, weight, targets, temperature)``, when given and
+    the head is a plain linear map, computes the (logprob, entropy) of each
+    (sequence, step) from its row instead (a trainer's own fused kernel).
     """
     pairs = LogprobPairs.of(tree, mask)
-    values = rows_logprobs(hidden, head, pairs.rows, pairs.targets, chunk_rows, temperature, entropy)
+    if vocab_head is not None and _fusable(head):
+        values = torch.stack(vocab_head(hidden[pairs.rows], head.weight, pairs.targets, temperature))
+        values = values.to(logprob_dtype(hidden.dtype))[: 2 if entropy else 1]
+        values = values if entropy else values[0]
+    else:
+        values = rows_logprobs(hidden, head, pairs.rows, pairs.targets, chunk_rows, temperature, entropy)
     values = values if entropy else values[None]
     out = []
     for v in values:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.kernels import ChunkedLogProbFunction
 
 from dta_ref.padded import PaddedLayout
 
@@ -49,6 +50,17 @@ class TreeGRPOConfig(GRPOConfig):
             "through dta_fast.tree_backward instead of one packed forward (None: one packed forward)."
         },
     )
+
+
+VOCAB_CHUNK = 32768  # vocabulary columns per tile of TRL's fused head
+
+
+def trl_vocab_head(hidden_rows, weight, targets, temperature):
+    """(logprob, entropy) of each row through TRL's own fused head: GRPOTrainer's numerics, no [rows, V] logits."""
+    logprobs, entropy, *_ = ChunkedLogProbFunction.apply(
+        hidden_rows, weight, None, targets, temperature, VOCAB_CHUNK, None, 1.0, ("entropy",)
+    )
+    return logprobs, entropy
 
 
 class TreeGRPOTrainer(GRPOTrainer):
@@ -88,7 +100,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
                 lp, ent, tree = block_logprobs_and_entropy(
-                    model, input_ids[rows], attention_mask[rows], first, self.temperature
+                    model, input_ids[rows], attention_mask[rows], first, self.temperature, trl_vocab_head
                 )
             self._log_compression(tree)
             logps.append(lp)
