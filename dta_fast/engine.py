@@ -380,8 +380,11 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
     return MemoryModel.of(model).step_bytes(plan_chunks(tree, size, recompute))
 
 
-def _largest_fitting_size(memory: MemoryModel, forest: _Forest, budget: int, recompute: bool) -> int:
-    """Largest chunk size whose estimate fits ``budget``; ValueError when none does.
+def _largest_fitting_size(
+    memory: MemoryModel, forest: _Forest, budget: int, recompute: bool, tolerance: float = 0.0
+) -> int:
+    """Largest chunk size whose estimate fits ``budget``, or one within ``tolerance`` (relative) of it
+    where the next size up does not fit; ValueError when none fits.
 
     Every plan holds a deepest token's whole path open at some moment, which
     bounds the estimate from below and, with one chunk's worth of tokens on
@@ -429,7 +432,7 @@ def _largest_fitting_size(memory: MemoryModel, forest: _Forest, budget: int, rec
             + ("" if recompute else "; try recompute=True") + ")"
         )
     interpolate = True
-    while hi is not None and hi - lo > 1:  # fits(lo) and not fits(hi)
+    while hi is not None and hi - lo > max(1, int(tolerance * lo)):  # fits(lo) and not fits(hi)
         if interpolate:
             slope = (memo[hi] - memo[lo]) / (hi - lo)
             guess = min(hi - 1, max(lo + 1, lo + int((budget - memo[lo]) // slope)))
@@ -471,7 +474,9 @@ def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recomput
     plans, errors = [], []
     for mode in modes:
         try:
-            plans.append(plan_chunks(forest, _largest_fitting_size(memory, forest, budget, mode), mode))
+            # a size within 2% of the largest runs as fast: spare the last bisection steps
+            size = _largest_fitting_size(memory, forest, budget, mode, tolerance=1 / 64)
+            plans.append(plan_chunks(forest, size, mode))
         except ValueError as error:
             errors.append(error)
     if plans:
