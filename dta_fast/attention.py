@@ -20,9 +20,19 @@ autograd Function and the public ``tree_attention``.
   walk every query, and launched in place they would start last for the
   last heads and run on alone at the end of the kernel.
 
+- A key a query cannot see never reaches that query's output, nor a masked
+  pair any gradient, even when its rows hold NaN or inf: in blocks with a
+  masked pair, non-finite V (forward), K (dQ), Q and dO (dK/dV) rows are
+  zeroed for the tile products and their NaN carried through the scores to
+  the visible entries only (docs/prefix_tree.md, "Isolation"). Full blocks
+  run unchanged.
+
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
 window; the schedule costs one host sync (the number of live block pairs).
+A query that sees a non-finite value row gets NaN where plain attention might
+give inf. Under the Triton interpreter, Triton 3.6 needs the loop-bound fix
+below to run with NumPy 2.4.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def _run_attention(impl, q, k, v, do, end):
 @pytest.mark.parametrize(
     "impl,dtype",
     [("reference", torch.float64), ("reference", torch.float32)]
-    + [pytest.param("kernel", dt, marks=pytest.mark.kernel) for dt in (torch.float32, torch.float16)],
+    + [pytest.param("kernel", dt, marks=pytest.mark.kernel) for dt in (torch.float32, torch.float16)]
+    + [pytest.param("kernel", torch.bfloat16, marks=[pytest.mark.kernel, pytest.mark.gpu])],
     ids=lambda x: str(x).replace("torch.", ""),
 )
 @pytest.mark.parametrize("poison", ["q", "k", "v", "do", "all", "inf_v"])
@@ -137,7 +138,7 @@ def test_model_isolation(entry):
         run = lambda m: dta_fast.tree_logprobs(m, TREE)  # noqa: E731
     else:
         run = lambda m: _tree_backward(m, entry.rsplit("_", 1)[1])  # noqa: E731
-    expected, got = run(clean).detach(), run(model).detach()
+    expected, got = run(clean).detach().cpu(), run(model).detach().cpu()
     others = torch.arange(TREE.num_sequences) != POISONED
     assert torch.equal(got[others], expected[others])
     assert torch.isnan(got[POISONED, len(SEQUENCES[POISONED]) - 2])  # the poisoned token's own row
