@@ -53,6 +53,22 @@ class Rollout:
     logprobs: list[torch.Tensor]
     stats: dict = field(default_factory=dict)
 
+    def padded_logprobs(self, prompts) -> torch.Tensor:
+        """The behaviour logprobs laid out like tree/flat logprobs of ``prompt + completion``: [N, Lmax-1].
+
+        Entry [i, t] scores token t+1 of rollout i; completion i's tokens sit at
+        t = len(prompt_i) - 1 ...; prompt positions and padding are 0 (mask
+        them with ``PrefixTree.response_mask``).
+        """
+        if len(prompts) != len(self.completions):
+            raise ValueError(f"got {len(prompts)} prompts for {len(self.completions)} completions")
+        width = max(len(p) + len(c) for p, c in zip(prompts, self.completions)) - 1
+        dtype = self.logprobs[0].dtype if self.logprobs else torch.float32
+        out = torch.zeros(len(prompts), width, dtype=dtype)
+        for i, (p, lp) in enumerate(zip(prompts, self.logprobs)):
+            out[i, len(p) - 1 : len(p) - 1 + len(lp)] = lp
+        return out
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -398,3 +398,24 @@ def test_bad_speculative_input(model, engine):
         SPECULATIVE[engine](model, [[1]], 2, cache=dta_ref.RolloutCache(), max_draft_tokens=-1)
     with pytest.raises(TypeError, match="unsupported model"):
         SPECULATIVE[engine](torch.nn.Linear(2, 2), [[1]], 2, cache=dta_ref.RolloutCache())
+
+
+def test_rl_loop_generate_then_tree_backward(model):
+    """docs/rollout.md's loop: the behaviour logprobs are the policy's own at the first update (ratio 1)."""
+    cache = dta_ref.RolloutCache()
+    prompts = [p for p in PROMPTS[:2] for _ in range(3)]  # groups of 3
+    for step in range(2):  # the cache carries over: the second step drafts from the first
+        out = dta_fast.speculative_sample(model, prompts, 6, cache=cache, generator=gen(20 + step))
+    assert out.stats["drafted_tokens"] > 0
+    tree = dta_fast.build_tree([p + c for p, c in zip(prompts, out.completions)])
+    old = out.padded_logprobs(prompts)
+    mask = tree.response_mask(torch.tensor([len(p) for p in prompts]))
+    advantages = torch.linspace(-1, 1, len(prompts), dtype=torch.float64)
+    loss_fn = dta_ref.PolicyGradientLoss(old, advantages, mask, normalization="token_mean")
+    model.zero_grad()
+    logprobs, loss = dta_fast.tree_backward(model, tree, loss_fn)
+    # the layout and the values (tree_backward's own tests hold its precision; float32 level is enough here)
+    assert_close_report(logprobs.detach().masked_fill(~mask, 0), old, 1e-6, 1e-6, "tree vs behaviour logprobs")
+    assert_close_report(dta_ref.tree_logprobs(model, tree).detach().masked_fill(~mask, 0), old, 1e-10, 1e-10, "exact")
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.zero_grad()
