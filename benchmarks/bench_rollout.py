@@ -178,17 +178,18 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
-def hf_generate(model, prompts, max_new_tokens, seed):
+def hf_generate(model, prompts, max_new_tokens, seed, eos=EOS):
     ids = torch.tensor(prompts, device=DEVICE)  # prompts share one length: no padding
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0,
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0,
+        min_new_tokens=max_new_tokens if eos is None else 0,
     )  # fmt: skip
     gen = out[:, ids.shape[1] :].tolist()
     completions = []
     for g in gen:
-        completions.append(g[: g.index(EOS) + 1] if EOS in g else g)
+        completions.append(g[: g.index(EOS) + 1] if eos is not None and EOS in g else g)
     return completions
 
 
@@ -204,6 +205,7 @@ def row(name, epoch, completions, seconds, stats, prompts):
         r["verify_steps"] = stats["verify_steps"]
     if stats and "verify_steps" in stats:
         r["verify_steps"] = stats["verify_steps"]
+        r["ms_per_verify_step"] = round(1e3 * seconds / max(1, stats["verify_steps"]), 2)
     r["templated"] = round(sum(is_templated(p, c) for p, c in zip(prompts, completions)) / len(completions), 3)
     r["mean_length"] = round(tokens / len(completions), 1)
     return r
@@ -212,7 +214,7 @@ def row(name, epoch, completions, seconds, stats, prompts):
 def throughput(model, label, prompts, args, log):
     rows = []
     gen = lambda s: torch.Generator(device=DEVICE).manual_seed(s)  # noqa: E731
-    kw = dict(temperature=1.0, eos_token_id=EOS)
+    kw = dict(temperature=1.0, eos_token_id=None if args.no_eos else EOS)
     # warm-up: Triton compiles the kernel's variants (one query per row; padded draft trees)
     warm = dta_fast.sample(model, prompts[:4], 48, generator=gen(0), **kw)
     primed = dta_ref.RolloutCache()
@@ -223,8 +225,9 @@ def throughput(model, label, prompts, args, log):
     rows.append(row(f"{label}: dta_fast.sample", 0, out.completions, s, out.stats, prompts))
     log(f"  {rows[-1]}")
     if args.hf:
-        hf_generate(model, prompts[:4], 16, 0)
-        comps, s = timed(lambda: hf_generate(model, prompts, args.max_new_tokens, 2))
+        eos = None if args.no_eos else EOS
+        hf_generate(model, prompts[:4], 16, 0, eos)
+        comps, s = timed(lambda: hf_generate(model, prompts, args.max_new_tokens, 2, eos))
         rows.append(row(f"{label}: HF generate", 0, comps, s, None, prompts))
         log(f"  {rows[-1]}")
     cache = dta_ref.RolloutCache()
@@ -248,6 +251,8 @@ def main():
     ap.add_argument("--random-max-new-tokens", type=int, default=512)
     ap.add_argument("--max-draft-tokens", type=int, default=32)
     ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--random-no-eos", action="store_true",
+                    help="random-weights rows without EOS, so every run generates the same number of tokens")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -282,10 +287,11 @@ def main():
     model = model.to(torch.bfloat16).eval()
 
     log("trained policy")
+    args.no_eos = False
     rows = throughput(model, "trained", prompts, args, log)
     log("random weights")
     rargs = copy.copy(args)
-    rargs.max_new_tokens, rargs.epochs = args.random_max_new_tokens, 2
+    rargs.max_new_tokens, rargs.epochs, rargs.no_eos = args.random_max_new_tokens, 2, args.random_no_eos
     rows += throughput(random_model, "random", prompts, rargs, log)
     result["rows"] = rows
 
