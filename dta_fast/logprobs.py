@@ -58,7 +58,7 @@ class LogprobPairs:
 
 
 def _scaled_logits(hidden, weight, temperature):
-    logits = (hidden @ weight.T).float()  # [rows, V]
+    logits = (hidden @ weight.T).to(logprob_dtype(hidden.dtype))  # [rows, V]
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
@@ -73,7 +73,7 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, inverse, targets, temperature: float, with_entropy: bool):
-        z = _scaled_logits(hidden, weight, temperature)  # [R, V] float32
+        z = _scaled_logits(hidden, weight, temperature)  # [R, V], float32 for half-precision models
         lse = torch.logsumexp(z, dim=-1)  # [R]
         picked = z[inverse, targets] - lse[inverse]  # [P]
         entropy = None

@@ -225,3 +225,18 @@ def test_logprobs_and_entropy_with_a_mask(temperature):
         dta_ref.tree_logprobs(model, TREE, mask=mask.float())
     with pytest.raises(ValueError, match="temperature must be positive"):
         dta_fast.tree_logprobs(model, TREE, temperature=0.0)
+
+
+def test_float64_head_keeps_float64():
+    """The fused vocabulary head computes in the model's precision (float64 stays float64)."""
+    from dta_fast.logprobs import rows_logprobs
+
+    model = tiny_decoder(torch.float64, seed=13)
+    hidden = torch.randn(6, 32, dtype=torch.float64, requires_grad=True)
+    rows, targets = torch.tensor([0, 2, 2, 5]), torch.tensor([3, 4, 9, 1])
+    got = rows_logprobs(hidden, model.lm_head, rows, targets, temperature=0.5)
+    want = torch.log_softmax(model.lm_head(hidden) / 0.5, -1)[rows, targets]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    g_got, g_want = (torch.autograd.grad(x.sum(), hidden)[0] for x in (got, want))
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
