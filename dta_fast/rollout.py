@@ -4,7 +4,7 @@ Twins of dta_ref.sample / dta_ref.speculative_sample (same signatures, same
 draws: with one generator they return the same tokens). Each step runs ONE
 forward over every unfinished sequence: its pending tokens (the prompt at the
 first step, then the token emitted last) followed by its draft tree. The
-model's trunk runs through ``hidden_states(model, ids, positions, attend)``;
+model's trunk runs through ``dta_ref.adapt(model).hidden_states(ids, positions, attend)``;
 the ``attend`` closure keeps the KV cache per layer:
 
 - a buffer [B, Hkv, L, D] per layer; row b holds its ``length[b]`` cached
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from dta_ref.attention import attention, mask_from_subtree_end
-from dta_ref.logprobs import hidden_states, logprob_dtype, model_device, output_head
+from dta_ref.adapter import adapt
+from dta_ref.logprobs import logprob_dtype
 from dta_ref.rollout import (
     DraftTree,
     Rollout,
@@ -63,8 +64,8 @@ class _KVEngine:
     """Per-layer KV buffers of the unfinished sequences and one batched verify forward per step."""
 
     def __init__(self, model, prompts: list[list[int]], capacity: int):
-        self.model, self.head = model, output_head(model)
-        self.device = model_device(model)
+        self.adapter = adapt(model)
+        self.head, self.device = self.adapter.head, self.adapter.device
         self.capacity = capacity  # buffer length per row
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, capacity, D]
         self.values: dict[int, torch.Tensor] = {}
@@ -127,7 +128,7 @@ class _KVEngine:
                 return tree_attention(q, K[:, :, :W], V[:, :, :W], scale=scale, schedule=schedule)
             return attention(q, K[:, :, :W], V[:, :, :W], mask, scale)
 
-        hidden = hidden_states(self.model, ids_t, pos_t, attend)  # [B, Tq, hidden]
+        hidden = self.adapter.hidden_states(ids_t, pos_t, attend)  # [B, Tq, hidden]
         logits = self.head(hidden.flatten(0, 1)[rows_t])  # [draws, V]
         tokens, logp = draw(sampling_probs(logits, params), uniforms)
         both = torch.stack([tokens.to(torch.float64), logp.to(torch.float64)]).cpu()  # one sync per step
@@ -170,7 +171,7 @@ class _KVEngine:
 
 
 def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens) -> Rollout:
-    device = model_device(model)
+    device = adapt(model).device
     run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
     longest = max(map(len, prompts))
     engine = _KVEngine(model, prompts, longest + max_new_tokens + max(longest, max_draft_tokens + 1) + 2 * ALIGN)
@@ -182,7 +183,7 @@ def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draf
         walks = run.finish_step(active, drafts, sampled, logprobs)
         engine.commit(walks, [not run.seqs[i].done for i in active])
         active = run.active()
-    return run.result(logprob_dtype(next(model.parameters()).dtype))
+    return run.result(logprob_dtype(engine.adapter.dtype))
 
 
 @torch.no_grad()

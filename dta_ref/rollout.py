@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from .attention import attention, mask_from_subtree_end
-from .logprobs import check_token_ids, hidden_states, logprob_dtype, model_device, output_head
+from .adapter import adapt
+from .logprobs import logprob_dtype
 from .tree import _as_token_list
 
 BOS = -1  # marks where a stored sequence starts, so a match may be anchored at the prompt's end
@@ -104,7 +105,7 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
         raise ValueError(f"prompts: {e}") from None
     except TypeError as e:
         raise TypeError(f"prompts: {e}") from None
-    check_token_ids(model, torch.tensor([max(p) for p in prompts]))
+    adapt(model).check_token_ids(torch.tensor([max(p) for p in prompts]))
     _check_int("max_new_tokens", max_new_tokens, 0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
@@ -118,7 +119,7 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     _check_int("eos_token_id", eos_token_id, 0, allow_none=True)
     if eos_token_id is not None:
-        check_token_ids(model, torch.tensor([eos_token_id]))
+        adapt(model).check_token_ids(torch.tensor([eos_token_id]))
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     params = SamplingParams(float(temperature), top_k, None if top_p is None else float(top_p), eos_token_id)
@@ -186,7 +187,8 @@ def step_uniforms(n: int, params: SamplingParams, generator, device) -> torch.Te
 
 def _context_logits(model, contexts: list[list[int]]) -> torch.Tensor:
     """Next-token logits [N, V] after each context, every context run alone (causal)."""
-    device = model_device(model)
+    adapter = adapt(model)
+    device = adapter.device
     rows = []
     for ctx in contexts:
         ids = torch.tensor(ctx, device=device)[None]
@@ -197,7 +199,7 @@ def _context_logits(model, contexts: list[list[int]]) -> torch.Tensor:
         def attend(layer, q, k, v, scale, mask=mask):
             return attention(q, k, v, mask, scale)
 
-        rows.append(output_head(model)(hidden_states(model, ids, pos, attend)[0, -1]))
+        rows.append(adapter.head(adapter.hidden_states(ids, pos, attend)[0, -1]))
     return torch.stack(rows)
 
 
@@ -212,7 +214,7 @@ def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p
     prompts, params = check_sampling_args(
         model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
     )
-    device = model_device(model)
+    device = adapt(model).device
     out = [[] for _ in prompts]
     lps = [[] for _ in prompts]
     active = [i for i in range(len(prompts)) if max_new_tokens > 0]
@@ -225,7 +227,7 @@ def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p
             out[i].append(t)
             lps[i].append(lp)
         active = [i for i in active if len(out[i]) < max_new_tokens and out[i][-1] != params.eos_token_id]
-    dtype = logprob_dtype(next(model.parameters()).dtype)
+    dtype = logprob_dtype(adapt(model).dtype)
     stats = {"generated_tokens": sum(map(len, out)), "verify_steps": steps}
     return Rollout(out, [torch.tensor(x, dtype=dtype) for x in lps], stats)
 
@@ -692,8 +694,8 @@ def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0
         model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
     )
     check_speculative_args(cache, max_draft_tokens)
-    device = model_device(model)
-    head = output_head(model)
+    adapter = adapt(model)
+    device, head = adapter.device, adapter.head
     run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
     while active := run.active():
         drafts = run.drafts(active)
@@ -711,7 +713,7 @@ def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0
             def attend(layer, q, k, v, scale, mask=mask):
                 return attention(q, k, v, mask, scale)
 
-            hidden = hidden_states(model, ids, pos[None], attend)[0, len(context) - 1 :]  # draws 0..len(draft)
+            hidden = adapter.hidden_states(ids, pos[None], attend)[0, len(context) - 1 :]  # draws 0..len(draft)
             probs = sampling_probs(head(hidden), params)
             n = len(draft) + 1
             tokens, logp = draw(probs, None if uniforms is None else uniforms[offset : offset + n])
@@ -719,4 +721,4 @@ def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0
             sampled.append(tokens.tolist())
             logprobs.append(logp.tolist())
         run.finish_step(active, drafts, sampled, logprobs)
-    return run.result(logprob_dtype(next(model.parameters()).dtype))
+    return run.result(logprob_dtype(adapter.dtype))
