@@ -73,11 +73,10 @@ def micro_batch(prompt_length, group_size, completion_length, vocab, seed=0):
     completion_mask = (torch.arange(completion_length) < lengths[:, None]).long()
     completion_ids = completion_ids * completion_mask  # pad id 0
     advantages = torch.randn(group_size, generator=gen)
-    old = -torch.rand(group_size, completion_length, generator=gen) * 8  # logprobs of the behaviour policy
     inputs = dict(
         prompt_ids=prompt.expand(group_size, -1).clone(), prompt_mask=torch.ones(group_size, prompt_length).long(),
         completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages,
-        old_per_token_logps=old, num_items_in_batch=completion_mask.sum().float(),
+        num_items_in_batch=completion_mask.sum().float(),
     )  # fmt: skip
     return {k: v.cuda() for k, v in inputs.items()}
 
@@ -97,6 +96,16 @@ def ideal_speedup(model, prompt_length, lengths):
     tree_tokens = prompt_length + sum(lengths)
     tree_pairs = prompt_length * (prompt_length + 1) // 2 + sum(n * prompt_length + n * (n + 1) // 2 for n in lengths)
     return (6 * dense * flat_tokens + per_pair * flat_pairs + head) / (6 * dense * tree_tokens + per_pair * tree_pairs + head)
+
+
+def behaviour_logprobs(trainer, inputs, spread=0.05):
+    """The policy's own logprobs (GRPOTrainer's path) plus noise: old logprobs whose ratios sit near 1."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, inputs["completion_ids"].shape[1])
+    noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(1)).to(logps)
+    return (logps.float() + spread * noise) * inputs["completion_mask"]
 
 
 def timed_step(trainer, inputs, repeats):
@@ -172,6 +181,8 @@ def main():
                 ):  # fmt: skip
                     weights.load_state_dict(state)
                     trainer = build_trainer(trainer_cls, config_cls, weights, G, R, checkpointing, out_dir)
+                    if "old_per_token_logps" not in inputs:  # near the policy, so the loss depends on the logprobs
+                        inputs["old_per_token_logps"] = behaviour_logprobs(trainer, inputs)
                     try:
                         results[name] = timed_step(trainer, inputs, args.repeats)
                     except torch.OutOfMemoryError:
