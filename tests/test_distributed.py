@@ -34,9 +34,20 @@ def _batch(name="mixed"):
 
 
 def _model(kind):
+    """``kind``: "decoder" or an HF family, with "+reentrant" / "+non-reentrant" for gradient checkpointing."""
     from tests.helpers import tiny_decoder, tiny_hf_model
 
-    return tiny_decoder(torch.float64, seed=1) if kind == "decoder" else tiny_hf_model(kind, torch.float64, "sdpa")
+    family, _, checkpointing = kind.partition("+")
+    if family == "decoder":
+        return tiny_decoder(torch.float64, seed=1)
+    model = tiny_hf_model(family, torch.float64, "sdpa")
+    if checkpointing:
+        reentrant = checkpointing == "reentrant"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if reentrant:
+            model.enable_input_require_grads()
+        model.train()
+    return model
 
 
 def _loss_inputs(tree, flat):
@@ -48,7 +59,7 @@ def _loss_inputs(tree, flat):
 
 def _expected(kind, sequences, generic, model=None, inputs=None):
     """Single process, each sequence alone: loss and parameter gradients (of a fresh model by default)."""
-    model = _model(kind) if model is None else model
+    model = _model(kind.partition("+")[0]) if model is None else model
     tree = PrefixTree.from_sequences(sequences)
     flat = dta_ref.flat_logprobs(model, sequences)
     old, adv, mask = _loss_inputs(tree, flat) if inputs is None else inputs
@@ -148,6 +159,12 @@ def test_generic_loss(tmp_path):
 def test_hf_model(tmp_path):
     pytest.importorskip("transformers")
     _spawn(tmp_path, 2, kind="qwen3", wrap_ddp=True, chunk=9)
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
+def test_hf_model_with_gradient_checkpointing(tmp_path, checkpointing):
+    """Layers recomputed in the backward stay on the tree path, on every rank."""
+    _spawn(tmp_path, 2, kind=f"qwen2+{checkpointing}", chunk=9)
 
 
 def _empty_shard_worker(rank, world, init_file):
