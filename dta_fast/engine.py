@@ -35,6 +35,7 @@ import torch
 
 from dta_ref.attention import attention, mask_from_subtree_end
 from dta_ref.logprobs import (
+    check_temperature,
     check_token_ids,
     hidden_states,
     logprob_dtype,
@@ -583,8 +584,11 @@ class _OpenChunk:
 class _Engine:
     """Runs a :class:`ChunkPlan`: forwards and closes in the plan's order."""
 
-    def __init__(self, model, tree: PrefixTree, plan: ChunkPlan, attention_impl: str, out_logprobs: torch.Tensor):
-        self.model, self.tree, self.plan = model, tree, plan
+    def __init__(
+        self, model, tree: PrefixTree, plan: ChunkPlan, attention_impl: str, out_logprobs: torch.Tensor,
+        temperature: float = 1.0,
+    ):  # fmt: skip
+        self.model, self.tree, self.plan, self.temperature = model, tree, plan, temperature
         self.head = output_head(model)
         self.attention_impl = attention_impl
         self.pairs = LogprobPairs.of(tree)
@@ -676,7 +680,9 @@ class _Engine:
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
             hidden = hidden_states(self.model, ids, positions, attend)[0]
             span = self.span(c)
-            logprobs = rows_logprobs(hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span])
+            logprobs = rows_logprobs(
+                hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span], temperature=self.temperature
+            )
         return _ChunkPass(hidden, logprobs)
 
 
@@ -713,6 +719,7 @@ def tree_backward(
     memory_margin_bytes: int | None = None,
     recompute: bool | None = None,
     attention_impl: str = "auto",
+    temperature: float = 1.0,
 ):
     """Forward and backward over the whole forest, depth-first in chunks; gradients added to ``.grad``.
 
@@ -740,6 +747,8 @@ def tree_backward(
     chosen with the chunk size under a budget.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
+    ``temperature``: the logprobs are those of ``logits / temperature``, as
+    an RL trainer scores its samples at the sampling temperature.
 
     Exact under gradient checkpointing of the model's layers (reentrant or
     not). Returns ``(logprobs, loss)``: detached per-sequence logprobs
@@ -762,6 +771,7 @@ def tree_backward(
         memory_margin_bytes = _check_bytes(memory_margin_bytes, "memory_margin_bytes", allow_zero=True)
     if attention_impl not in ("auto", "kernel", "reference"):
         raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
+    temperature = check_temperature(temperature)
 
     device = model_device(model)
     plan = _choose_plan(model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute)
@@ -771,7 +781,7 @@ def tree_backward(
     dtype = logprob_dtype(next(model.parameters()).dtype)
     N, width = tree.num_sequences, tree.max_length - 1
     logprobs = torch.zeros(N, width, dtype=dtype, device=device)
-    engine = _Engine(model, tree, plan, attention_impl, logprobs)
+    engine = _Engine(model, tree, plan, attention_impl, logprobs, temperature)
     pairs = engine.pairs
 
     if isinstance(loss_fn, TokenLoss):

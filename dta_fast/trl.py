@@ -50,6 +50,10 @@ class TreeGRPOConfig(GRPOConfig):
             "through dta_fast.tree_backward instead of one packed forward (None: one packed forward)."
         },
     )
+    tree_max_chunk_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Train depth-first in chunks of at most this many tree tokens (instead of a budget)."},
+    )
 
 
 VOCAB_CHUNK = 32768  # vocabulary columns per tile of TRL's fused head
@@ -72,8 +76,13 @@ class TreeGRPOTrainer(GRPOTrainer):
     )  # fmt: skip
 
     @property
-    def _memory_budget(self) -> int | None:
-        return getattr(self.args, "tree_memory_budget_bytes", None)
+    def _chunking(self) -> dict | None:
+        """tree_backward's chunking options, or None for one packed forward."""
+        budget = getattr(self.args, "tree_memory_budget_bytes", None)
+        size = getattr(self.args, "tree_max_chunk_tokens", None)
+        if budget is None and size is None:
+            return None
+        return dict(memory_budget_bytes=budget, max_chunk_tokens=size)
 
     def _log_compression(self, tree) -> None:
         mode = "train" if self.model.training else "eval"
@@ -108,13 +117,16 @@ class TreeGRPOTrainer(GRPOTrainer):
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs):
-        if self._memory_budget is None:
+        chunking = self._chunking
+        if chunking is None:
             return super()._compute_loss(model, inputs)
         if self._entropy_bonus_enabled:
             raise ValueError(
-                "tree_memory_budget_bytes trains through d loss / d logprob only: an entropy bonus "
-                "(entropy_coef != 0 or adaptive entropy) is not supported with it"
+                "tree_memory_budget_bytes / tree_max_chunk_tokens train through d loss / d logprob only: an "
+                "entropy bonus (entropy_coef != 0 or adaptive entropy) is not supported with them"
             )
+        if self.accelerator.num_processes > 1:
+            raise ValueError("tree_memory_budget_bytes / tree_max_chunk_tokens run on one process only")
         # GRPO's own loss on logprobs that are leaves: its gradient with respect to them seeds the chunked pass
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -137,8 +149,5 @@ class TreeGRPOTrainer(GRPOTrainer):
         weights = layout.to_tree(grad.double(), input_ids.size(1) - completion_ids.size(1))
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
-            tree_backward(
-                unwrapped, tree, LinearizedLoss(weights), memory_budget_bytes=self._memory_budget,
-                temperature=self.temperature,
-            )  # fmt: skip
+            tree_backward(unwrapped, tree, LinearizedLoss(weights), temperature=self.temperature, **chunking)
         return loss  # depends on the leaf only: the trainer's backward of it leaves the parameters alone

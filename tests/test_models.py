@@ -240,3 +240,22 @@ def test_float64_head_keeps_float64():
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
     g_got, g_want = (torch.autograd.grad(x.sum(), hidden)[0] for x in (got, want))
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+def test_tree_backward_at_a_temperature(reentrant):
+    """tree_backward scores at the sampling temperature, chunked, under checkpointing too."""
+    model = tiny_hf_model("llama", torch.float32, "sdpa", seed=14).to(DEVICE)
+    truth = copy.deepcopy(model).train()
+    if reentrant is not None:
+        checkpointing(model, reentrant)
+    mask = TREE.response_mask([3, 3, 3, 2, 1])
+    loss_fn = dta_ref.SFTLoss(mask)
+    flat = dta_ref.flat_logprobs(truth, SEQUENCES, temperature=0.7)
+    want = torch.autograd.grad(dta_ref.sft_loss(flat, mask.to(DEVICE)), list(truth.parameters()))
+    model.zero_grad(set_to_none=True)
+    logprobs, loss = dta_fast.tree_backward(model, TREE, loss_fn, max_chunk_tokens=5, temperature=0.7)
+    torch.testing.assert_close(logprobs, flat.detach(), rtol=1e-5, atol=1e-5)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    want = torch.cat([g.flatten() for g in want])
+    assert float((got - want).norm() / want.norm()) < 1e-5

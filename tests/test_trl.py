@@ -96,6 +96,10 @@ CASES = {
     "grad-ckpt": dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}),
     "kl-and-two-iterations": dict(beta=0.1, num_iterations=2),
     "lora": dict(peft=True),
+    # depth-first chunks through tree_backward, GRPO's loss linearised at the logprobs
+    "chunked": dict(tree_max_chunk_tokens=8, num_iterations=2, beta=0.1, temperature=0.7),
+    "chunked-grad-ckpt": dict(tree_max_chunk_tokens=8, gradient_checkpointing=True),
+    "memory-budget": dict(tree_memory_budget_bytes=4 * 2**30),
 }
 
 
@@ -103,13 +107,14 @@ CASES = {
 def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
     overrides = dict(CASES[case])
     peft = lora() if overrides.pop("peft", False) else None
+    chunking = {k: overrides.pop(k) for k in ("tree_memory_budget_bytes", "tree_max_chunk_tokens") if k in overrides}
     model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     model.save_pretrained(tmp_path / "model")  # both trainers (and their reference models) load it from disk
     path = str(tmp_path / "model")
     base_logs, base_start, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path, peft, **overrides)
     tree_logs, tree_start, tree_updates = train(
-        TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path, peft, **overrides
+        TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path, peft, **chunking, **overrides
     )
     assert len(base_logs) == len(tree_logs) == 3
     for base, tree in zip(base_logs, tree_logs, strict=True):
@@ -124,3 +129,10 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
     tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
     assert base_update.norm() > 0  # training moved the parameters, so the comparison means something
     assert (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+
+
+def test_memory_budget_refuses_an_entropy_bonus(tmp_path):
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    with pytest.raises(ValueError, match="entropy bonus"):
+        train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path, model, None, tree_max_chunk_tokens=8, entropy_coef=0.01)
