@@ -16,8 +16,8 @@ Sharing happens inside a micro-batch: the G generations of a prompt are
 contiguous in TRL's batches, so a ``per_device_train_batch_size`` that is a
 multiple of ``num_generations`` keeps every group in one tree.
 
-With ``TreeGRPOConfig(tree_memory_budget_bytes=...)`` the training forward
-and backward run depth-first in chunks (``dta_fast.tree_backward``) within
+With ``TreeGRPOConfig(tree_memory_budget_bytes=...)`` (or
+``tree_max_chunk_tokens=...``) the training forward and backward run depth-first in chunks (``dta_fast.tree_backward``) within
 that activation budget: the logprobs are computed without a graph, GRPO's
 own loss gives d loss / d logprob, and the chunked pass backpropagates
 ``sum(g * logprob)``, which has the same parameter gradient (one extra forward).
