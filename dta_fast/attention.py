@@ -462,13 +462,9 @@ def tree_attention_bwd_dq_kernel(
         p = tl.exp2(s - lse[:, None])
         full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if full:
-            ds = p * (dp - delta[:, None])
-        else:
-            # a non-finite key row reaches only the queries that see it (through p there)
-            visible = _visible(pos_m, offs_n, end_n)
-            ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
-            k = tl.where((_row_nan(k) == 0)[:, None], k, 0.0)
+        ds = p * (dp - delta[:, None])
+        if not full:  # select: dp or delta may be NaN where p is 0
+            ds = tl.where(_visible(pos_m, offs_n, end_n), ds, 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
@@ -580,6 +576,10 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     kv_ptr, kv_idx = schedule.csr(BM, BN)
     num_m_blocks = triton.cdiv(Tq, BM)
     dq = torch.empty_like(q)
+    # A non-finite key would give 0 * inf = NaN in ds @ K for the queries that do not see it; the
+    # queries that see it already have a NaN LSE from the forward, which carries it to them.
+    # (Cleaning K inside the loop makes Triton 3.6's software pipeliner fail.)
+    k = torch.where(torch.isfinite(k), k, 0.0)
     tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
         q, k, v, do, lse, delta, dq, end, kv_ptr, kv_idx,
         sm_scale * LOG2E, sm_scale,

@@ -114,15 +114,18 @@ class _MaskedAttention(torch.autograd.Function):
     the mask allows and nothing else, so a NaN or inf in one rollout's rows
     never reaches a query (or a key's gradient) of another: masked entries are
     selected away, never multiplied by zero. The backward is the textbook one,
-    written out with the same selection (tests/test_reference_attention.py
-    checks it against autograd on finite inputs).
+    written out with the same selection (tests/test_adversarial.py checks it
+    with gradcheck and against autograd through plain masked softmax).
     """
+
+    # In place where it is safe (nothing here is recorded by autograd): two [Tq, Tk] buffers at most.
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        probs = probs.masked_fill(~mask, 0.0)  # a NaN row's softmax is NaN on masked entries too
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, Hq, Tq, Tk]
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        del scores
+        probs.masked_fill_(~mask, 0.0)  # a NaN row's softmax is NaN on masked entries too
         ctx.save_for_backward(q, k, v, mask, probs)
         ctx.scale = scale
         return _masked_matmul(probs, v, mask)
@@ -132,9 +135,9 @@ class _MaskedAttention(torch.autograd.Function):
         q, k, v, mask, probs = ctx.saved_tensors
         mask_t = mask.transpose(-1, -2)
         grad_v = _masked_matmul(probs.transpose(-1, -2), grad_out, mask_t)
-        grad_probs = torch.matmul(grad_out, v.transpose(-1, -2)).masked_fill(~mask, 0.0)
-        delta = (probs * grad_probs).sum(-1, keepdim=True)
-        grad_scores = torch.where(mask, probs * (grad_probs - delta), 0.0) * ctx.scale
-        grad_q = _masked_matmul(grad_scores, k, mask)
-        grad_k = _masked_matmul(grad_scores.transpose(-1, -2), q, mask_t)
+        grad = torch.matmul(grad_out, v.transpose(-1, -2)).masked_fill_(~mask, 0.0)  # d probs
+        delta = (probs * grad).sum(-1, keepdim=True)
+        grad.sub_(delta).mul_(probs).masked_fill_(~mask, 0.0).mul_(ctx.scale)  # d scores
+        grad_q = _masked_matmul(grad, k, mask)
+        grad_k = _masked_matmul(grad.transpose(-1, -2), q, mask_t)
         return grad_q, grad_k, grad_v, None, None

@@ -97,6 +97,27 @@ def test_attention_isolation(impl, dtype, poison):
     assert not torch.isfinite(poisoned[0][0, :, own]).any(-1).all() or poison == "do"  # the poisoned rows stay so
 
 
+def test_reference_backward_is_the_textbook_one():
+    """The written-out backward of dta_ref.attention: gradcheck, and plain masked softmax's autograd."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 9, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 9, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(6, 9, generator=g) < 0.5
+    mask[:, 3] = True  # every query sees a key
+    torch.autograd.gradcheck(lambda a, b, c: dta_ref.attention(a, b, c, mask, 0.7), (q, k, v))
+
+    def plain(a, b, c):
+        b, c = b.repeat_interleave(2, 1), c.repeat_interleave(2, 1)
+        return torch.softmax((a @ b.transpose(-1, -2) * 0.7).masked_fill(~mask, -INF), -1) @ c
+
+    do = torch.randn(1, 4, 6, 5, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad(dta_ref.attention(q, k, v, mask, 0.7), (q, k, v), do)
+    theirs = torch.autograd.grad(plain(q, k, v), (q, k, v), do)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------- isolation, a whole model
 
 
