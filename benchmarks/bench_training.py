@@ -28,6 +28,7 @@ memory. Both print a table and write JSON
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -246,8 +247,12 @@ def speed(args):
                 seconds, peak, lp, grads = run_method(model, fn, args.flat_repeats if label == "flat" else args.repeats)
             except torch.cuda.OutOfMemoryError:
                 row["methods"][label] = dict(entry, oom=True)
-                torch.cuda.empty_cache()
                 print(f"{name}: {label} out of memory", flush=True)
+                seconds = None
+            if seconds is None:  # outside the except block: the failed step's tensors are gone by now
+                model.zero_grad(set_to_none=True)
+                gc.collect()
+                torch.cuda.empty_cache()
                 continue
             entry.update(seconds=seconds, peak_gib=peak, tokens_per_s=tree.flat_tokens / seconds)
             if "plan" in entry:  # the estimate covers activations: add the weights and their gradients

@@ -298,18 +298,27 @@ def _shape(model):
     return layers, hidden, heads, kv_heads, head_dim, cfg.intermediate_size, next(model.parameters()).element_size()
 
 
+# Transient buffers the per-token terms leave out, measured against peaks on an H100 (Qwen2-0.5B
+# shape, docs/benchmarks.md): the vocabulary head's backward holds a float32 and a bf16 copy of its
+# weight-sized gradient; recompute mode's peak holds about two more float32 logits windows (cause not
+# isolated).
+RECOMPUTE_TRANSIENT_BYTES = 2 * LOGITS_CHUNK_ELEMENTS * 4
+
+
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes per token of what a step keeps alive, from the model's shape."""
+    """Bytes per token of what a step keeps alive, from the model's shape, and the fixed transients."""
 
     activation: int  # what autograd saves per chunk token, all layers
     kv: int  # an open chunk token's K/V with float32 gradient accumulators
     prefix: int  # a graph's copies of one prefix token's K/V (gathered, concatenated)
-    workspace: int = LOGITS_WORKSPACE_BYTES
+    workspace: int = LOGITS_WORKSPACE_BYTES  # the logits window, the head's gradient
 
     @classmethod
     def of(cls, model) -> "MemoryModel":
-        return cls(activation_bytes_per_token(model), kv_bytes_per_token(model), _prefix_bytes_per_token(model))
+        head = output_head(model).weight
+        workspace = LOGITS_WORKSPACE_BYTES + head.numel() * (4 + head.element_size())
+        return cls(activation_bytes_per_token(model), kv_bytes_per_token(model), _prefix_bytes_per_token(model), workspace)
 
     def step_bytes(self, plan: ChunkPlan) -> int:
         """The largest, over chunks, of what is alive while the chunk runs or closes."""
@@ -317,6 +326,7 @@ class MemoryModel:
             return self.workspace
         if plan.recompute:  # the running chunk's activations, every open chunk's K/V
             alive = self.kv * plan.held + self.prefix * plan.prefix_tokens + self.activation * plan.lengths
+            alive = alive + RECOMPUTE_TRANSIENT_BYTES
         else:  # every open chunk's graph
             alive = (self.kv + self.activation) * plan.held + self.prefix * plan.saved
         return self.workspace + int(alive.max())
@@ -455,9 +465,10 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, r
     return _largest_fitting_size(MemoryModel.of(model), _Forest.of(tree), budget, bool(recompute))
 
 
-# A chunk costs a fixed overhead (kernel launches, prefix gathers, a logits window) worth about this
-# many tokens of forward work; the automatic choice weighs it against recomputed tokens.
-CHUNK_OVERHEAD_TOKENS = 512
+# A chunk costs a fixed overhead (kernel launches, prefix gathers, logits windows, Python) worth about
+# this many tokens of forward work: measured 70-170 ms a chunk at the Qwen2-0.5B shape on an H100,
+# where a token's forward takes ~7 us; the automatic choice weighs it against recomputed tokens.
+CHUNK_OVERHEAD_TOKENS = 8192
 
 
 def _step_cost(plan: ChunkPlan) -> float:
