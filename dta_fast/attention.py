@@ -21,11 +21,12 @@ autograd Function and the public ``tree_attention``.
   last heads and run on alone at the end of the kernel.
 
 - A key a query cannot see never reaches that query's output, nor a masked
-  pair any gradient, even when its rows hold NaN or inf: in blocks with a
-  masked pair, non-finite V (forward), K (dQ), Q and dO (dK/dV) rows are
-  zeroed for the tile products and their NaN carried through the scores to
-  the visible entries only (docs/prefix_tree.md, "Isolation"). Full blocks
-  run unchanged.
+  pair any gradient, even when its rows hold NaN or inf: the forward zeroes
+  non-finite V rows for the tile product in blocks with a masked pair and
+  carries their NaN through the scores to the visible entries only; the
+  backward passes Q, K and dO with their non-finite entries zeroed and lets
+  the LSE carry the NaN of their rows (docs/prefix_tree.md, "Isolation").
+  Full blocks run unchanged.
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
@@ -296,24 +297,31 @@ def tree_attention_fwd_kernel(
 
 @triton.jit
 def tree_attention_bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, LSE, DELTA, LSE_BWD, DO_FINITE,
     stride_ob, stride_oh, stride_ot,
     stride_dob, stride_doh, stride_dot,
+    stride_fb, stride_fh, stride_ft,
     Hq, Tq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction."""
+    """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction; for dK/dV, dO with
+    its non-finite entries zeroed and an LSE that is NaN on the rows whose dO is not (isolation)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // Hq, pid_bh % Hq
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t < Tq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask_t = offs_t < Tq
+    mask = mask_t[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot + offs_d[None, :],
                  mask=mask, other=0.0)  # [BLOCK_T, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh * Tq + offs_t, delta, mask=offs_t < Tq)
+    tl.store(DELTA + pid_bh * Tq + offs_t, delta, mask=mask_t)
+    lse = tl.load(LSE + pid_bh * Tq + offs_t, mask=mask_t, other=0.0)
+    tl.store(LSE_BWD + pid_bh * Tq + offs_t, lse + _row_nan(do), mask=mask_t)
+    tl.store(DO_FINITE + b * stride_fb + h * stride_fh + offs_t[:, None] * stride_ft + offs_d[None, :],
+             tl.where(do * 0.0 == 0.0, do, 0.0), mask=mask)
 
 
 @triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
@@ -383,21 +391,13 @@ def tree_attention_bwd_dkdv_kernel(
             q_first = q_offset + m * BLOCK_M
             q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
             full = (k_last <= q_first) & (min_end > q_last)
-            if full:
-                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-                ds_t = p_t * (dp_t - delta[None, :])
-            else:
-                # select, never multiply by zero: a non-finite q or dO row of a query reaches only
-                # the keys it sees (zeroed for the products, its NaN carried on its visible entries)
-                visible_t = tl.trans(_visible(pos_m, offs_n, end_n))  # [BLOCK_N, BLOCK_M]
-                do_nan = _row_nan(do)
-                q = tl.where((_row_nan(q) == 0)[:, None], q, 0.0)
-                do = tl.where((do_nan == 0)[:, None], do, 0.0)
-                p_t = tl.where(visible_t, p_t + do_nan[None, :], 0.0)
-                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds_t = tl.where(visible_t, p_t * (dp_t - delta[None, :]), 0.0)
+            if not full:
+                p_t = tl.where(tl.trans(_visible(pos_m, offs_n, end_n)), p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            ds_t = p_t * (dp_t - delta[None, :])
+            if not full:  # select: dp_t or delta may be NaN where p_t is 0
+                ds_t = tl.where(tl.trans(_visible(pos_m, offs_n, end_n)), ds_t, 0.0)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
 
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
@@ -532,21 +532,29 @@ def _forward(q, k, v, schedule, sm_scale):
 
 
 def _backward(do, q, k, v, o, lse, schedule, sm_scale):
-    delta = _backward_preprocess(o, do)
-    dk, dv = _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale)
-    dq = _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale)
+    # Isolation without touching the kernels' loops: a non-finite row of an operand that a tile product
+    # multiplies by a masked (zero) entry is zeroed first, and the rows it belongs to carry their NaN
+    # through the LSE instead (the forward's for Q and K, the preprocess's for dO).
+    delta, lse_bwd, do_finite = _backward_preprocess(o, do, lse)
+    q_finite = torch.nan_to_num(q, nan=0.0, posinf=0.0, neginf=0.0)
+    dk, dv = _backward_dkdv(do_finite, q_finite, k, v, lse_bwd, delta, schedule, sm_scale)
+    del q_finite, do_finite
+    k_finite = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
+    dq = _backward_dq(do, q, k_finite, v, lse, delta, schedule, sm_scale)
     return dq, dk, dv
 
 
-def _backward_preprocess(o, do):
+def _backward_preprocess(o, do, lse):
     B, Hq, Tq, D = o.shape
     delta = torch.empty(B, Hq, Tq, device=o.device, dtype=torch.float32)
+    lse_bwd = torch.empty_like(delta)
+    do_finite = torch.empty_like(do)
     BLOCK_T = 16 if INTERPRET else 128
     tree_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BLOCK_T), B * Hq)](
-        o, do, delta, *_strides(o), *_strides(do), Hq, Tq,
+        o, do, lse, delta, lse_bwd, do_finite, *_strides(o), *_strides(do), *_strides(do_finite), Hq, Tq,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
-    return delta
+    return delta, lse_bwd, do_finite
 
 
 def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
@@ -576,10 +584,6 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     kv_ptr, kv_idx = schedule.csr(BM, BN)
     num_m_blocks = triton.cdiv(Tq, BM)
     dq = torch.empty_like(q)
-    # A non-finite key would give 0 * inf = NaN in ds @ K for the queries that do not see it; the
-    # queries that see it already have a NaN LSE from the forward, which carries it to them.
-    # (Cleaning K inside the loop makes Triton 3.6's software pipeliner fail.)
-    k = torch.where(torch.isfinite(k), k, 0.0)
     tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
         q, k, v, do, lse, delta, dq, end, kv_ptr, kv_idx,
         sm_scale * LOG2E, sm_scale,
