@@ -144,7 +144,10 @@ def policy_gradient_loss(
     """Token-level clipped policy-gradient loss (PPO / GRPO / DAPO).
 
     logprobs, old_logprobs, loss_mask: [N, L]; advantages: [N] (one per
-    sequence, as in GRPO) or [N, L] (per token, as in PPO with GAE).
+    sequence, as in GRPO) or [N, L] (per token, as in PPO with GAE). The mask
+    must be False past each sequence's last logprob (``tree.logprob_mask``
+    and ``&`` with it are safe): this function cannot see the lengths, but
+    ``tree_backward`` and :meth:`TokenLoss.__call__` refuse such a mask.
     """
     _check_padded("logprobs", logprobs)
     _check_floating("logprobs", logprobs)
