@@ -772,14 +772,9 @@ def tree_backward(
     tree.validate(loss_fn)
     output_head(model)  # rejects unsupported models with a clear error
     check_token_ids(model, tree.tokens)
-    if max_chunk_tokens is not None and memory_budget_bytes is not None:
-        raise ValueError("give max_chunk_tokens or memory_budget_bytes, not both")
-    if max_chunk_tokens is not None:
-        max_chunk_tokens = _check_chunk_tokens(max_chunk_tokens, "max_chunk_tokens")
-    if memory_budget_bytes is not None:
-        memory_budget_bytes = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
-    if memory_margin_bytes is not None:
-        memory_margin_bytes = _check_bytes(memory_margin_bytes, "memory_margin_bytes", allow_zero=True)
+    max_chunk_tokens, memory_budget_bytes, memory_margin_bytes = _checked_chunking(
+        max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
+    )
     if attention_impl not in ("auto", "kernel", "reference"):
         raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
     temperature = check_temperature(temperature)
@@ -790,36 +785,58 @@ def tree_backward(
     if attention_impl == "auto":
         attention_impl = "kernel" if device.type == "cuda" else "reference"
     dtype = logprob_dtype(next(model.parameters()).dtype)
-    N, width = tree.num_sequences, tree.max_length - 1
-    logprobs = torch.zeros(N, width, dtype=dtype, device=device)
+    logprobs = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=dtype, device=device)
     engine = _Engine(model, tree, plan, attention_impl, logprobs, temperature)
-    pairs = engine.pairs
-
     if isinstance(loss_fn, TokenLoss):
-        if loss_fn.shape != (N, width):
-            raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {(N, width)}")
-        token_loss = loss_fn.to(device)  # once, not at every chunk
-        terms_total = []
-
-        def seed(span, chunk_logprobs):
-            terms = token_loss.terms(pairs.seq[span], pairs.step[span], chunk_logprobs).sum()
-            terms_total.append(terms.detach().double())
-            return terms
-
-        engine.run(seed)
-        total = torch.stack(terms_total).sum() if terms_total else torch.zeros((), dtype=torch.float64, device=device)
+        total = _run_token_loss(engine, loss_fn)
     else:
-        engine.run_forward_only()
-        total, g = _linearised_loss(loss_fn, tree, logprobs)
-
-        def seed(span, chunk_logprobs):
-            return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()
-
-        engine.run(seed)
+        total = _run_linearised_loss(engine, loss_fn)
     for p in model.parameters():  # like loss.backward() on a loss that touches every parameter
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     return logprobs, total.to(dtype)
+
+
+def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes):
+    if max_chunk_tokens is not None and memory_budget_bytes is not None:
+        raise ValueError("give max_chunk_tokens or memory_budget_bytes, not both")
+    if max_chunk_tokens is not None:
+        max_chunk_tokens = _check_chunk_tokens(max_chunk_tokens, "max_chunk_tokens")
+    if memory_budget_bytes is not None:
+        memory_budget_bytes = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
+    if memory_margin_bytes is not None:
+        memory_margin_bytes = _check_bytes(memory_margin_bytes, "memory_margin_bytes", allow_zero=True)
+    return max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
+
+
+def _run_token_loss(engine: _Engine, loss_fn: TokenLoss) -> torch.Tensor:
+    """One pass: each chunk backpropagates its own tokens' terms. Returns the total (float64)."""
+    out, pairs = engine.out, engine.pairs
+    if loss_fn.shape != tuple(out.shape):
+        raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {tuple(out.shape)}")
+    token_loss = loss_fn.to(out.device)  # once, not at every chunk
+    totals = []
+
+    def seed(span, chunk_logprobs):
+        terms = token_loss.terms(pairs.seq[span], pairs.step[span], chunk_logprobs).sum()
+        totals.append(terms.detach().double())
+        return terms
+
+    engine.run(seed)
+    return torch.stack(totals).sum() if totals else torch.zeros((), dtype=torch.float64, device=out.device)
+
+
+def _run_linearised_loss(engine: _Engine, loss_fn) -> torch.Tensor:
+    """Two passes for any other loss: every logprob, then ``sum(g * logprobs)`` with g its gradient."""
+    pairs = engine.pairs
+    engine.run_forward_only()
+    total, g = _linearised_loss(loss_fn, engine.tree, engine.out)
+
+    def seed(span, chunk_logprobs):
+        return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()
+
+    engine.run(seed)
+    return total
 
 
 def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor):
