@@ -806,6 +806,11 @@ def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
         memory_budget_bytes = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
     if memory_margin_bytes is not None:
         memory_margin_bytes = _check_bytes(memory_margin_bytes, "memory_margin_bytes", allow_zero=True)
+        if max_chunk_tokens is not None or memory_budget_bytes is not None:
+            raise ValueError(
+                "memory_margin_bytes sets memory aside from the automatic budget; with max_chunk_tokens or "
+                "memory_budget_bytes it would do nothing: leave it out"
+            )
     return max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
 
 

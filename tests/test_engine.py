@@ -164,6 +164,8 @@ def test_bad_input():
         dta_fast.tree_backward(model, tree, sft, memory_budget_bytes=1000)
     with pytest.raises(ValueError, match="not both"):
         dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=4, memory_budget_bytes=2**33)
+    with pytest.raises(ValueError, match="memory_margin_bytes sets memory aside"):
+        dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=4, memory_margin_bytes=2**30)
     with pytest.raises(TypeError, match="unsupported model"):
         dta_fast.tree_backward(torch.nn.Linear(3, 3), tree, sft)
     with pytest.raises(TypeError, match="callable"):
