@@ -648,7 +648,8 @@ class _Engine:
             loss = seed(self.span(c), chunk_pass.logprobs)
             roots.append(loss)
             grads.append(torch.ones_like(loss))
-        torch.autograd.backward(roots, grads)
+        if chunk_pass.hidden.requires_grad:  # not when nothing in the model trains
+            torch.autograd.backward(roots, grads)
         del self.open[c]
 
     def span(self, c: int) -> slice:

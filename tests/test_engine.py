@@ -456,3 +456,17 @@ def test_cuda_default_budget(margin):
     lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_margin_bytes=margin)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     assert_grads_close({n: g.double() for n, g in grads_of(model).items()}, ref_grads, rel=1e-4)
+
+
+def test_frozen_model_scores_without_backward():
+    """A model with nothing to train still gets its logprobs and loss (no backward to run)."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    flat = dta_ref.flat_logprobs(model, seqs)
+    lp, loss = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=5)
+    torch.testing.assert_close(lp, flat, rtol=0, atol=1e-12)
+    torch.testing.assert_close(loss, dta_ref.sft_loss(flat, tree.logprob_mask), rtol=1e-12, atol=1e-14)
+    assert all(p.grad is None for p in model.parameters())
