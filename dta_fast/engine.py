@@ -161,28 +161,16 @@ def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, 
     (:func:`_recompute_friendly_length`).
     """
     forest = tree if isinstance(tree, _Forest) else _Forest.of(tree)
-    bounds, stack_facts, steps = _chunk_bounds(forest, size, recompute)
-    start, stop, max_end = (np.array(x, dtype=np.int64).reshape(-1) for x in bounds)
-    held, saved = (np.array(x, dtype=np.int64).reshape(-1) for x in stack_facts)
-    if with_prefix:
-        piece_ptr, owner, lo, hi = _prefix_pieces(forest, start, stop)
-    else:
-        piece_ptr, owner, lo, hi = None, None, None, None
+    facts = _chunk_bounds(forest, size, recompute)  # start, stop, max_end, held, saved, steps
+    start, stop = facts["start"], facts["stop"]
+    pieces = _prefix_pieces(forest, start, stop) if with_prefix else (None,) * 4
     return ChunkPlan(
         size=size,
         recompute=recompute,
-        start=start,
-        stop=stop,
-        max_end=max_end,
-        prefix_tokens=forest.depth[start] if start.size else start,
-        held=held,
-        saved=saved,
-        keeps_graph=(max_end <= stop) | (not recompute),
-        steps=steps,
-        piece_ptr=piece_ptr,
-        piece_owner=owner,
-        piece_lo=lo,
-        piece_hi=hi,
+        prefix_tokens=forest.depth[start],
+        keeps_graph=(facts["max_end"] <= stop) | (not recompute),
+        **facts,
+        **dict(zip(("piece_ptr", "piece_owner", "piece_lo", "piece_hi"), pieces)),
     )
 
 
@@ -190,7 +178,8 @@ _plan = plan_chunks  # benchmarks/tune_attention.py imports it under this name
 
 
 def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
-    """The chunk bounds, the open-stack facts and the steps: one pass, one short loop per chunk."""
+    """The chunk bounds, the open-stack facts and the steps (ChunkPlan's fields of those names): one
+    pass, one short loop per chunk."""
     end, depth, T = forest.end, forest.depth, forest.num_tokens
     starts, stops, max_ends, helds, saveds, steps = [], [], [], [], [], []
     stack: list[int] = []  # open chunks
@@ -216,7 +205,8 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
         steps.append(Step(c, forward=True))
         a = b
     steps.extend(Step(done, forward=False) for done in reversed(stack))
-    return (starts, stops, max_ends), (helds, saveds), steps
+    arrays = dict(start=starts, stop=stops, max_end=max_ends, held=helds, saved=saveds)
+    return {name: np.array(values, dtype=np.int64) for name, values in arrays.items()} | dict(steps=steps)
 
 
 def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
