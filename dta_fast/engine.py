@@ -34,14 +34,8 @@ import numpy as np
 import torch
 
 from dta_ref.attention import attention, mask_from_subtree_end
-from dta_ref.logprobs import (
-    check_temperature,
-    check_token_ids,
-    hidden_states,
-    logprob_dtype,
-    model_device,
-    output_head,
-)
+from dta_ref.adapter import adapt
+from dta_ref.logprobs import check_temperature, logprob_dtype
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
@@ -277,17 +271,6 @@ def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):
 LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
 
 
-def _shape(model):
-    """(layers, hidden, heads, kv_heads, head_dim, intermediate, bytes per element) of a decoder."""
-    cfg = model.config
-    hidden = cfg.hidden_size
-    layers = getattr(cfg, "num_layers", None) or cfg.num_hidden_layers
-    heads = getattr(cfg, "num_heads", None) or cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    return layers, hidden, heads, kv_heads, head_dim, cfg.intermediate_size, next(model.parameters()).element_size()
-
-
 # Transient buffers the per-token terms leave out, measured against peaks on an H100 (Qwen2-0.5B
 # shape, docs/benchmarks.md): the vocabulary head's backward holds a float32 and a bf16 copy of its
 # weight-sized gradient; recompute mode's peak holds about two more float32 logits windows (cause not
@@ -306,7 +289,7 @@ class MemoryModel:
 
     @classmethod
     def of(cls, model) -> "MemoryModel":
-        head = output_head(model).weight
+        head = adapt(model).head.weight
         workspace = LOGITS_WORKSPACE_BYTES + head.numel() * (4 + head.element_size())
         return cls(activation_bytes_per_token(model), kv_bytes_per_token(model), _prefix_bytes_per_token(model), workspace)
 
@@ -331,24 +314,25 @@ def activation_bytes_per_token(model) -> int:
     intermediates, and the query/key norms' float32 copies where the model
     has them (Qwen3).
     """
-    layers, hidden, heads, kv_heads, head_dim, inter, size = _shape(model)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    per_layer = 2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * inter * size
-    if getattr(model.config, "model_type", "") == "qwen3":
+    shape = adapt(model).shape
+    hidden, size = shape.hidden, shape.bytes_per_element
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
+    if shape.qk_norm:
         per_layer += (q + kv) * (4 + size)
-    return layers * per_layer + 4 * hidden * size
+    return shape.layers * per_layer + 4 * hidden * size
 
 
 def kv_bytes_per_token(model) -> int:
     """K/V kept per token of an open chunk, with its float32 gradient accumulators."""
-    layers, _, _, kv_heads, head_dim, _, size = _shape(model)
-    return layers * 2 * kv_heads * head_dim * (size + 4)
+    shape = adapt(model).shape
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * (shape.bytes_per_element + 4)
 
 
 def _prefix_bytes_per_token(model) -> int:
     """What a chunk's graph saves per prefix token: the gathered K/V and its concatenation with the chunk's."""
-    layers, _, _, kv_heads, head_dim, _, size = _shape(model)
-    return layers * 2 * kv_heads * head_dim * size * 2
+    shape = adapt(model).shape
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.bytes_per_element * 2
 
 
 def _check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> int:
@@ -589,8 +573,8 @@ class _Engine:
         self, model, tree: PrefixTree, plan: ChunkPlan, attention_impl: str, out_logprobs: torch.Tensor,
         temperature: float = 1.0,
     ):  # fmt: skip
-        self.model, self.tree, self.plan, self.temperature = model, tree, plan, temperature
-        self.head = output_head(model)
+        self.adapter, self.tree, self.plan, self.temperature = adapt(model), tree, plan, temperature
+        self.head = self.adapter.head
         self.attention_impl = attention_impl
         self.pairs = LogprobPairs.of(tree)
         rows = self.pairs.rows.cpu().numpy()
@@ -680,7 +664,7 @@ class _Engine:
             # reentrant checkpointing warns of a forward without gradients; this one needs none
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
-            hidden = hidden_states(self.model, ids, positions, attend)[0]
+            hidden = self.adapter.hidden_states(ids, positions, attend)[0]
             span = self.span(c)
             logprobs = rows_logprobs(
                 hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span], temperature=self.temperature
@@ -761,8 +745,13 @@ def tree_backward(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     tree.validate(loss_fn)
-    output_head(model)  # rejects unsupported models with a clear error
-    check_token_ids(model, tree.tokens)
+    adapter = adapt(model)  # rejects unsupported models with a clear error
+    if adapter.data_parallel is not None:
+        raise TypeError(
+            "tree_backward runs one forward per chunk, which DistributedDataParallel does not allow before its "
+            "backward: use dta_fast.distributed_tree_backward, or pass model.module and reduce the gradients"
+        )
+    adapter.check_token_ids(tree.tokens)
     max_chunk_tokens, memory_budget_bytes, memory_margin_bytes = _checked_chunking(
         max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
     )
@@ -770,12 +759,12 @@ def tree_backward(
         raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
     temperature = check_temperature(temperature)
 
-    device = model_device(model)
+    device = adapter.device
     plan = _choose_plan(model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute)
     tree = tree.to(device)
     if attention_impl == "auto":
         attention_impl = "kernel" if device.type == "cuda" else "reference"
-    dtype = logprob_dtype(next(model.parameters()).dtype)
+    dtype = logprob_dtype(adapter.dtype)
     logprobs = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=dtype, device=device)
     engine = _Engine(model, tree, plan, attention_impl, logprobs, temperature)
     if isinstance(loss_fn, TokenLoss):

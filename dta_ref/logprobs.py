@@ -162,18 +162,3 @@ def flat_logprobs(model, sequences, *, temperature: float = 1.0) -> torch.Tensor
         rows.append(F.pad(lp, (0, width - lp.shape[0])))
     return torch.stack(rows)
 
-
-def model_device(model) -> torch.device:
-    return adapt(model).device
-
-
-def output_head(model):
-    return adapt(model).head
-
-
-def check_token_ids(model, tokens: torch.Tensor) -> None:
-    adapt(model).check_token_ids(tokens)
-
-
-def hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
-    return adapt(model).hidden_states(input_ids, position_ids, attend)

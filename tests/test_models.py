@@ -259,3 +259,25 @@ def test_tree_backward_at_a_temperature(reentrant):
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     want = torch.cat([g.flatten() for g in want])
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_model(one_rank_group):
+    """A DDP model scores through DDP's own call (its reduction prepared); tree_backward points elsewhere."""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=15)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    assert dta_ref.adapt(ddp).core is model and dta_ref.adapt(ddp).data_parallel is ddp
+    truth = copy.deepcopy(model)
+    assert_matches_each_rollout_alone(ddp, truth, twins={"ref": dta_ref.tree_logprobs})
+    with pytest.raises(TypeError, match="distributed_tree_backward"):
+        dta_fast.tree_backward(ddp, TREE, dta_ref.SFTLoss(TREE.logprob_mask))
