@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dta_ref.hf import is_hf_model
+from dta_ref.adapter import adapt
 
 # per parameter group: what the setters used here change
 _GROUP_SETTINGS = (
@@ -130,7 +130,7 @@ def _reduce_once(root) -> None:
     root.set_is_last_backward(True)
     token = torch.zeros(1, 1, dtype=torch.long, device=next(root.parameters()).device)
     with torch.enable_grad():
-        out = root(input_ids=token, use_cache=False).logits if is_hf_model(root) else root(token)
+        out = adapt(root).logits(token)
         if out.requires_grad:  # its hooks reduce-scatter; a zero cotangent adds nothing
             torch.autograd.backward(out, torch.zeros_like(out))
 

@@ -155,11 +155,14 @@ class ModelAdapter:
             return hf_hidden_states(self.core, input_ids, position_ids, attend)
         return self.core.hidden_states(input_ids, position_ids, attend)
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of ordinary causal sequences, the model run as its user built it."""
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] of ordinary causal sequences, the model run as its user built it.
+
+        Through the model's own call, so its hooks (FSDP's) run as in any forward.
+        """
         if self.is_hf:
             return self.core(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        return self.head(self.core.hidden_states(input_ids, position_ids, causal_attend))
+        return self.core(input_ids, position_ids, causal_attend)
 
     def check_token_ids(self, tokens: torch.Tensor) -> None:
         """Token ids must index the embedding table (else CUDA fails with a device-side assert)."""
