@@ -21,12 +21,12 @@ autograd Function and the public ``tree_attention``.
   last heads and run on alone at the end of the kernel.
 
 - A key a query cannot see never reaches that query's output, nor a masked
-  pair any gradient, even when its rows hold NaN or inf: the forward zeroes
-  non-finite V rows for the tile product in blocks with a masked pair and
-  carries their NaN through the scores to the visible entries only; the
-  backward passes Q, K and dO with their non-finite entries zeroed and lets
-  the LSE carry the NaN of their rows (docs/prefix_tree.md, "Isolation").
-  Full blocks run unchanged.
+  pair any gradient, even when its rows hold NaN or inf: the forward runs on
+  V with its non-finite rows zeroed and then sets the output of the queries
+  that see such a row to NaN (found in O(T) from subtree_end); the backward
+  passes Q, K and dO with their non-finite entries zeroed and lets the LSE
+  carry the NaN of their rows (docs/prefix_tree.md, "Isolation"). The
+  forward's loop is the one without isolation.
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
@@ -275,11 +275,7 @@ def tree_attention_fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
         if not full:
-            # p = 0 times a non-finite value row is NaN: zero such rows and carry their NaN in the
-            # scores of the queries that see them, so it reaches those queries alone
-            v_nan = _row_nan(v)  # [BLOCK_N] 0, or NaN where the row is not finite
-            s = tl.where(_visible(pos_m, offs_n, end_n), s + v_nan[None, :], float("-inf"))
-            v = tl.where((v_nan == 0)[:, None], v, 0.0)
+            s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -519,16 +515,36 @@ def _forward(q, k, v, schedule, sm_scale):
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     num_m_blocks = triton.cdiv(Tq, BM)
+    # p = 0 times a non-finite value row is NaN: the kernel sees such rows zeroed, and the queries
+    # that see them get their NaN afterwards (the loop itself stays as fast as without isolation)
+    v_bad = ~torch.isfinite(v).all(-1)  # [B, Hkv, Tk]
+    v_finite = v.masked_fill(v_bad[..., None], 0.0)
     tree_attention_fwd_kernel[(num_m_blocks, B * Hq)](
-        q, k, v, o, lse, end, kv_ptr, kv_idx,
+        q, k, v_finite, o, lse, end, kv_ptr, kv_idx,
         sm_scale * LOG2E,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks),
         Hq, Hq // Hkv, Tq, Tk,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
-    return o, lse
+    sees_bad = _queries_seeing(v_bad, end, Tq).repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, Tq]
+    return o.masked_fill(sees_bad[..., None], float("nan")), lse
+
+
+def _queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> torch.Tensor:
+    """[B, H, Tq] bool: the queries that see at least one key flagged in ``keys`` [B, H, Tk].
+
+    Key j is seen by the query positions [j, subtree_end[j]): mark the ranges
+    with +1 / -1 and a running sum, O(Tk), no T x T mask.
+    """
+    B, H, Tk = keys.shape
+    flag = keys.to(torch.int32)
+    marks = torch.zeros(B, H, Tk + 1, dtype=torch.int32, device=keys.device)
+    marks[..., :Tk] += flag
+    end = subtree_end.long()[:, None, :].expand(B, H, Tk)
+    marks.scatter_add_(2, end, -flag)
+    return (marks.cumsum(2)[..., :Tk] > 0)[..., Tk - Tq :]
 
 
 def _backward(do, q, k, v, o, lse, schedule, sm_scale):
