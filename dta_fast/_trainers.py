@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dta_ref.losses import TokenLoss
-from dta_ref.padded import PaddedLayout
-
 from dta_ref.adapter import adapt
 from dta_ref.logprobs import _packed_hidden as reference_packed_hidden
 from dta_ref.logprobs import check_temperature
+from dta_ref.losses import TokenLoss
+from dta_ref.padded import PaddedLayout
 
 from .logprobs import _packed_hidden, gather_logprobs_chunked
 from .tree import build_tree
@@ -35,7 +34,8 @@ def block_logprobs_and_entropy(
         hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head
     )
     columns = input_ids.shape[1] - first_column
-    return layout.from_tree(out.logprobs, first_column, columns), layout.from_tree(out.entropy, first_column, columns), tree
+    logprobs, entropy = (layout.from_tree(x, first_column, columns) for x in (out.logprobs, out.entropy))
+    return logprobs, entropy, tree
 
 
 class LinearizedLoss(TokenLoss):
