@@ -116,15 +116,18 @@ def test_hf_models(family, chunk):
 def test_kernel_path_float32(chunk):
     """The Triton kernel with a cached prefix (Tq < Tk) inside the engine."""
     pytest.importorskip("triton")
+    assert_float32_step_matches_flat(DEVICE, max_chunk_tokens=chunk, attention_impl="kernel")
+
+
+def assert_float32_step_matches_flat(device, **options):
+    """tree_backward(**options) of a float32 decoder against each rollout alone in float64."""
     seqs = batch()
     tree = PrefixTree.from_sequences(seqs)
-    model = tiny_decoder(torch.float32).to(DEVICE)
+    model = tiny_decoder(torch.float32).to(device)
     exact = copy.deepcopy(model).double()
-    ref_lp, _, ref_grads = flat_reference(exact, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask.to(DEVICE)))
+    ref_lp, _, ref_grads = flat_reference(exact, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask.to(device)))
     model.zero_grad(set_to_none=True)
-    lp, _ = dta_fast.tree_backward(
-        model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=chunk, attention_impl="kernel"
-    )
+    lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), **options)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     assert_grads_close({n: g.double() for n, g in grads_of(model).items()}, ref_grads, rel=1e-4)
 
@@ -447,15 +450,7 @@ def test_cuda_default_budget(margin):
     nothing still trains (the plan with the smallest estimate), to the per-sequence gradients."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    seqs = batch()
-    tree = PrefixTree.from_sequences(seqs)
-    model = tiny_decoder(torch.float32).cuda()
-    exact = copy.deepcopy(model).double()
-    ref_lp, _, ref_grads = flat_reference(exact, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask.cuda()))
-    model.zero_grad(set_to_none=True)
-    lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_margin_bytes=margin)
-    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
-    assert_grads_close({n: g.double() for n, g in grads_of(model).items()}, ref_grads, rel=1e-4)
+    assert_float32_step_matches_flat("cuda", memory_margin_bytes=margin)
 
 
 def test_frozen_model_scores_without_backward():
