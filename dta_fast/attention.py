@@ -22,11 +22,12 @@ autograd Function and the public ``tree_attention``.
 
 - A key a query cannot see never reaches that query's output, nor a masked
   pair any gradient, even when its rows hold NaN or inf: the forward runs on
-  V with its non-finite rows zeroed and then sets the output of the queries
-  that see such a row to NaN (found in O(T) from subtree_end); the backward
-  passes Q, K and dO with their non-finite entries zeroed and lets the LSE
-  carry the NaN of their rows (docs/prefix_tree.md, "Isolation"). The
-  forward's loop is the one without isolation.
+  V with its non-finite rows zeroed and its epilogue sets the output of the
+  queries that see such a row to NaN (found in O(T) from subtree_end); the
+  backward passes Q, K and dO with their non-finite rows zeroed and lets the
+  LSE carry the NaN of their rows (docs/prefix_tree.md, "Isolation"). The
+  loops are the ones without isolation: its cost is one fused read and write
+  of V, Q and K (``finite_rows_kernel``).
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
@@ -223,10 +224,33 @@ def _row_nan(x):
     return tl.sum(x.to(tl.float32) * 0.0, 1)
 
 
+@triton.jit
+def finite_rows_kernel(
+    X, X_FINITE, BAD,
+    stride_xb, stride_xh, stride_xt,
+    H, T,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """X [B, H, T, D] with every row that holds a non-finite entry zeroed (contiguous), and BAD [B, H, T]
+    set to 1 on those rows: one read and one write, the isolation's whole cost outside the loops."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(X + b * stride_xb + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :], mask=mask, other=0.0)
+    bad = _row_nan(x) != 0.0  # NaN != 0
+    tl.store(X_FINITE + pid_bh * T * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+             tl.where(bad[:, None], 0.0, x), mask=mask)
+    tl.store(BAD + pid_bh * T + offs_t, bad.to(tl.int8), mask=mask_t)
+
+
 @triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def tree_attention_fwd_kernel(
-    Q, K, V, O, LSE, END, KV_PTR, KV_IDX,
+    Q, K, V, O, LSE, END, KV_PTR, KV_IDX, SEES_BAD,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -285,6 +309,9 @@ def tree_attention_fwd_kernel(
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past Tq saw nothing; they are not stored
     acc = acc / l_i[:, None]
+    # isolation: the queries that see a value row zeroed before the launch (a non-finite one) get NaN
+    sees_bad = tl.load(SEES_BAD + (b * (Hq // GROUP) + hk) * Tq + offs_m, mask=mask_m, other=0)
+    acc = tl.where(sees_bad[:, None] != 0, float("nan"), acc)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
     # natural-log LSE of the scaled scores
@@ -300,8 +327,9 @@ def tree_attention_bwd_preprocess_kernel(
     Hq, Tq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction; for dK/dV, dO with
-    its non-finite entries zeroed and an LSE that is NaN on the rows whose dO is not (isolation)."""
+    """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction. Isolation: dO with
+    its non-finite rows zeroed, delta with its non-finite entries zeroed, and an LSE that carries their
+    NaN instead, so a masked pair (p = 0) multiplies only finite numbers."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // Hq, pid_bh % Hq
@@ -313,11 +341,12 @@ def tree_attention_bwd_preprocess_kernel(
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot + offs_d[None, :],
                  mask=mask, other=0.0)  # [BLOCK_T, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh * Tq + offs_t, delta, mask=mask_t)
+    row_nan = _row_nan(do) + delta * 0.0  # NaN on the rows whose dO or delta is not finite
+    tl.store(DELTA + pid_bh * Tq + offs_t, tl.where(row_nan == 0.0, delta, 0.0), mask=mask_t)
     lse = tl.load(LSE + pid_bh * Tq + offs_t, mask=mask_t, other=0.0)
-    tl.store(LSE_BWD + pid_bh * Tq + offs_t, lse + _row_nan(do), mask=mask_t)
+    tl.store(LSE_BWD + pid_bh * Tq + offs_t, lse + row_nan, mask=mask_t)
     tl.store(DO_FINITE + b * stride_fb + h * stride_fh + offs_t[:, None] * stride_ft + offs_d[None, :],
-             tl.where(do * 0.0 == 0.0, do, 0.0), mask=mask)
+             tl.where((row_nan == 0.0)[:, None], do, 0.0), mask=mask)
 
 
 @triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
@@ -392,8 +421,6 @@ def tree_attention_bwd_dkdv_kernel(
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
             ds_t = p_t * (dp_t - delta[None, :])
-            if not full:  # select: dp_t or delta may be NaN where p_t is 0
-                ds_t = tl.where(tl.trans(_visible(pos_m, offs_n, end_n)), ds_t, 0.0)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
 
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
@@ -457,10 +484,10 @@ def tree_attention_bwd_dq_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(s - lse[:, None])
         full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
+        if not full:
+            p = tl.where(_visible(pos_m, offs_n, end_n), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
-        if not full:  # select: dp or delta may be NaN where p is 0
-            ds = tl.where(_visible(pos_m, offs_n, end_n), ds, 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
@@ -515,12 +542,12 @@ def _forward(q, k, v, schedule, sm_scale):
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     num_m_blocks = triton.cdiv(Tq, BM)
-    # p = 0 times a non-finite value row is NaN: the kernel sees such rows zeroed, and the queries
-    # that see them get their NaN afterwards (the loop itself stays as fast as without isolation)
-    v_bad = ~torch.isfinite(v).all(-1)  # [B, Hkv, Tk]
-    v_finite = v.masked_fill(v_bad[..., None], 0.0)
+    # p = 0 times a non-finite value row is NaN: the kernel sees such rows zeroed, and the queries that
+    # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
+    v_finite, v_bad = _finite_rows(v)
+    sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
     tree_attention_fwd_kernel[(num_m_blocks, B * Hq)](
-        q, k, v_finite, o, lse, end, kv_ptr, kv_idx,
+        q, k, v_finite, o, lse, end, kv_ptr, kv_idx, sees_bad,
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks),
@@ -528,12 +555,23 @@ def _forward(q, k, v, schedule, sm_scale):
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
-    sees_bad = _queries_seeing(v_bad, end, Tq).repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, Tq]
-    return o.masked_fill(sees_bad[..., None], float("nan")), lse
+    return o, lse, v_finite
+
+
+def _finite_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, T, D] with its non-finite rows zeroed (a contiguous copy), and [B, H, T] int8 flags of those rows."""
+    B, H, T, D = x.shape
+    x_finite = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
+    bad = torch.empty(B, H, T, device=x.device, dtype=torch.int8)
+    BLOCK_T = 16 if INTERPRET else 64
+    finite_rows_kernel[(triton.cdiv(T, BLOCK_T), B * H)](
+        x, x_finite, bad, *_strides(x), H, T, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
+    )  # fmt: skip
+    return x_finite, bad
 
 
 def _queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> torch.Tensor:
-    """[B, H, Tq] bool: the queries that see at least one key flagged in ``keys`` [B, H, Tk].
+    """[B, H, Tq] int8: 1 for the queries that see at least one key flagged in ``keys`` [B, H, Tk].
 
     Key j is seen by the query positions [j, subtree_end[j]): mark the ranges
     with +1 / -1 and a running sum, O(Tk), no T x T mask.
@@ -544,19 +582,22 @@ def _queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> t
     marks[..., :Tk] += flag
     end = subtree_end.long()[:, None, :].expand(B, H, Tk)
     marks.scatter_add_(2, end, -flag)
-    return (marks.cumsum(2)[..., :Tk] > 0)[..., Tk - Tq :]
+    return (marks.cumsum(2)[..., Tk - Tq : Tk] > 0).to(torch.int8)
 
 
 def _backward(do, q, k, v, o, lse, schedule, sm_scale):
-    # Isolation without touching the kernels' loops: a non-finite row of an operand that a tile product
-    # multiplies by a masked (zero) entry is zeroed first, and the rows it belongs to carry their NaN
-    # through the LSE instead (the forward's for Q and K, the preprocess's for dO).
+    """v is the forward's V with its non-finite rows zeroed.
+
+    Isolation without touching the kernels' loops: every operand row that a tile product multiplies
+    by a masked (zero) probability is finite, zeroed first where it was not, and the rows it belongs
+    to carry their NaN through the LSE instead (the forward's for Q and K, the preprocess's for dO).
+    """
     delta, lse_bwd, do_finite = _backward_preprocess(o, do, lse)
-    q_finite = torch.nan_to_num(q, nan=0.0, posinf=0.0, neginf=0.0)
+    q_finite = _finite_rows(q)[0]
     dk, dv = _backward_dkdv(do_finite, q_finite, k, v, lse_bwd, delta, schedule, sm_scale)
     del q_finite, do_finite
-    k_finite = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
-    dq = _backward_dq(do, q, k_finite, v, lse, delta, schedule, sm_scale)
+    k_finite = _finite_rows(k)[0]
+    dq = _backward_dq(do, q, k_finite, v, lse_bwd, delta, schedule, sm_scale)
     return dq, dk, dv
 
 
@@ -622,8 +663,8 @@ def _last_dim_contiguous(x):
 class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, schedule, sm_scale):
-        o, lse = _forward(q, k, v, schedule, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse, v_finite = _forward(q, k, v, schedule, sm_scale)
+        ctx.save_for_backward(q, k, v_finite, o, lse)
         ctx.schedule, ctx.sm_scale = schedule, sm_scale
         ctx.mark_non_differentiable(lse)
         return o, lse

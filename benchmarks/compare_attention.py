@@ -1,0 +1,92 @@
+"""A/B of tree attention implementations: the same trees, inputs and timings for each version.
+
+    git show REV:dta_fast/attention.py > /tmp/attention_rev.py
+    python benchmarks/compare_attention.py before=/tmp/attention_rev.py now=dta_fast/attention.py [--out DIR]
+
+Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
+(its kernels compile separately). Per shape: forward alone and forward +
+backward, ``triton.testing.do_bench`` medians, bf16, H=32, D=128 (8 K/V heads
+on the agentic row), the schedule built once outside the timing; and the
+largest difference of each version's output and gradients from the first
+version's. Prints a table and writes compare_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from dta_ref import PrefixTree, agentic_batch, grpo_batch
+
+SHAPES = {
+    "GRPO P=2K N=8 R=1K": lambda: grpo_batch(1, 2048, 8, 1024),
+    "GRPO P=8K N=16 R=1K": lambda: grpo_batch(1, 8192, 16, 1024),
+    "GRPO P=16K N=16 R=2K": lambda: grpo_batch(1, 16384, 16, 2048),
+    "GRPO P=1K N=64 R=512": lambda: grpo_batch(1, 1024, 64, 512),
+    "agentic 4 tasks x 4 rollouts x 8 turns": lambda: agentic_batch(num_tasks=4, rollouts_per_task=4, turns=8),
+}
+
+
+def load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(f"attention_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("versions", nargs="+", help="NAME=PATH of a copy of dta_fast/attention.py")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    versions = {}
+    for item in args.versions:
+        name, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"expected NAME=PATH of an existing file, got {item!r}")
+        versions[name] = load(name, path)
+
+    rows = []
+    print(f"{'shape':40s} {'version':14s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'max |diff|':>11s}")
+    for shape, make in SHAPES.items():
+        end = PrefixTree.from_sequences(make()).subtree_end.cuda()
+        T, Hkv = end.numel(), 8 if shape.startswith("agentic") else 32
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, 32, T, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        k, v = (torch.randn(1, Hkv, T, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                for _ in range(2))  # fmt: skip
+        do = torch.randn(1, 32, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        row, first = {"shape": shape, "T": T, "Hkv": Hkv}, None
+        for name, module in versions.items():
+            schedule = module.build_schedule(end, T)
+
+            def forward_backward():
+                module.tree_attention(q, k, v, schedule=schedule).backward(do)
+
+            with torch.no_grad():
+                fwd = do_bench(lambda: module.tree_attention(q, k, v, schedule=schedule), warmup=25, rep=200)
+            fwd_bwd = do_bench(forward_backward, warmup=25, rep=200, grad_to_none=[q, k, v])
+            out = module.tree_attention(q, k, v, schedule=schedule)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            results = [out.detach().float()] + [x.float() for x in grads]
+            first = first or results
+            diff = max(float((a - b).abs().max()) for a, b in zip(results, first))
+            row[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "max_abs_diff": diff}
+            print(f"{shape:40s} {name:14s} {fwd:8.3f} {fwd_bwd:11.3f} {diff:11.2e}", flush=True)
+        rows.append(row)
+        del q, k, v, do
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": args.versions}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "compare_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
