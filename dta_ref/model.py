@@ -37,7 +37,23 @@ class DecoderConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
+        for name in sizes + (("head_dim",) if self.head_dim is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.head_dim is None:
+            if self.hidden_size % self.num_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads}), "
+                    "or give head_dim"
+                )
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(

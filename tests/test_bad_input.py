@@ -226,6 +226,24 @@ def test_decoder_config_rejects():
         dta_ref.DecoderConfig(hidden_size=12, num_heads=4, num_kv_heads=2)
 
 
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(num_heads=0), ValueError, "num_heads must be at least 1, got 0"),
+        (dict(num_kv_heads=0), ValueError, "num_kv_heads must be at least 1"),
+        (dict(head_dim=0), ValueError, "head_dim must be at least 1"),
+        (dict(hidden_size=-64), ValueError, "hidden_size must be at least 1"),
+        (dict(num_layers=2.0), TypeError, "num_layers must be an int, got float"),
+        (dict(hidden_size=64, num_heads=3, num_kv_heads=1), ValueError, r"hidden_size \(64\) must be a multiple of num_heads \(3\)"),
+        (dict(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps must be a positive finite number"),
+        (dict(rope_theta=0.0), ValueError, "rope_theta must be a positive finite number"),
+    ],
+)
+def test_decoder_config_rejects_sizes(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        dta_ref.DecoderConfig(**kwargs)
+
+
 TREE = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])
 
 
