@@ -212,30 +212,45 @@ def row(name, epoch, completions, seconds, stats, prompts):
 
 
 def throughput(model, label, prompts, args, log):
+    """Plain runs interleaved with the speculative epochs; speculative rows are compared with the plain median.
+
+    The host runs ahead of a model this small by little, so a run's time moves
+    with the machine (10-40% between identical runs, the first full-length
+    run slowest): one full-length warm-up run is discarded, and the plain
+    engine runs ``--repeats`` times between the speculative epochs.
+    """
     rows = []
     gen = lambda s: torch.Generator(device=DEVICE).manual_seed(s)  # noqa: E731
     kw = dict(temperature=1.0, eos_token_id=None if args.no_eos else EOS)
-    # warm-up: Triton compiles the kernel's variants (one query per row; padded draft trees)
+    # warm-up: Triton compiles the kernel's variants (one query per row; padded draft trees), and one
+    # full-length run sizes the allocator's blocks
     warm = dta_fast.sample(model, prompts[:4], 48, generator=gen(0), **kw)
     primed = dta_ref.RolloutCache()
     for p, c in zip(prompts[:4], warm.completions):
         primed.add(p, c)
     dta_fast.speculative_sample(model, prompts[:4], 48, cache=primed, generator=gen(0), **kw)
-    out, s = timed(lambda: dta_fast.sample(model, prompts, args.max_new_tokens, generator=gen(1), **kw))
-    rows.append(row(f"{label}: dta_fast.sample", 0, out.completions, s, out.stats, prompts))
-    log(f"  {rows[-1]}")
+    dta_fast.sample(model, prompts, args.max_new_tokens, generator=gen(0), **kw)
+
+    def plain(repeat):
+        out, s = timed(lambda: dta_fast.sample(model, prompts, args.max_new_tokens, generator=gen(1 + repeat), **kw))
+        rows.append(row(f"{label}: dta_fast.sample", repeat, out.completions, s, out.stats, prompts))
+        log(f"  {rows[-1]}")
+
+    cache = dta_ref.RolloutCache()
+    for epoch in range(max(args.epochs, args.repeats)):
+        if epoch < args.repeats:
+            plain(epoch)
+        if epoch < args.epochs:
+            out, s = timed(lambda: dta_fast.speculative_sample(
+                model, prompts, args.max_new_tokens, cache=cache, generator=gen(10 + epoch),
+                max_draft_tokens=args.max_draft_tokens, **kw))  # fmt: skip
+            rows.append(row(f"{label}: speculative", epoch, out.completions, s, out.stats, prompts))
+            log(f"  {rows[-1]}")
     if args.hf:
         eos = None if args.no_eos else EOS
         hf_generate(model, prompts[:4], 16, 0, eos)
         comps, s = timed(lambda: hf_generate(model, prompts, args.max_new_tokens, 2, eos))
         rows.append(row(f"{label}: HF generate", 0, comps, s, None, prompts))
-        log(f"  {rows[-1]}")
-    cache = dta_ref.RolloutCache()
-    for epoch in range(args.epochs):
-        out, s = timed(lambda: dta_fast.speculative_sample(
-            model, prompts, args.max_new_tokens, cache=cache, generator=gen(10 + epoch),
-            max_draft_tokens=args.max_draft_tokens, **kw))  # fmt: skip
-        rows.append(row(f"{label}: speculative", epoch, out.completions, s, out.stats, prompts))
         log(f"  {rows[-1]}")
     return rows
 
@@ -251,8 +266,10 @@ def main():
     ap.add_argument("--random-max-new-tokens", type=int, default=512)
     ap.add_argument("--max-draft-tokens", type=int, default=32)
     ap.add_argument("--no-hf", dest="hf", action="store_false")
-    ap.add_argument("--random-no-eos", action="store_true",
-                    help="random-weights rows without EOS, so every run generates the same number of tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="plain runs, interleaved with the speculative epochs")
+    ap.add_argument("--random-eos", action="store_true",
+                    help="random-weights rows with EOS (by default none: every run then generates the same number "
+                         "of tokens, where with EOS the runs' random lengths decide their throughput)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -291,23 +308,30 @@ def main():
     rows = throughput(model, "trained", prompts, args, log)
     log("random weights")
     rargs = copy.copy(args)
-    rargs.max_new_tokens, rargs.epochs, rargs.no_eos = args.random_max_new_tokens, 2, args.random_no_eos
+    rargs.max_new_tokens, rargs.epochs, rargs.no_eos = args.random_max_new_tokens, 2, not args.random_eos
     rows += throughput(random_model, "random", prompts, rargs, log)
     result["rows"] = rows
 
     def speed(label, method, epoch=0):
         return next(r["tokens_per_s"] for r in rows if r["method"] == f"{label}: {method}" and r["epoch"] == epoch)
 
+    def plain_median(label):
+        runs = sorted(r["tokens_per_s"] for r in rows if r["method"] == f"{label}: dta_fast.sample")
+        return runs[len(runs) // 2]
+
+    for r in rows:  # every row against the plain engine's median run
+        r["vs_plain_median"] = round(r["tokens_per_s"] / plain_median(r["method"].split(":")[0]), 3)
+
     summary = {
         "trained: speculative / plain, by epoch": [
-            round(speed("trained", "speculative", e) / speed("trained", "dta_fast.sample"), 2) for e in range(args.epochs)
+            round(speed("trained", "speculative", e) / plain_median("trained"), 2) for e in range(args.epochs)
         ],
         "random: speculative / plain, by epoch": [
-            round(speed("random", "speculative", e) / speed("random", "dta_fast.sample"), 3) for e in range(2)
+            round(speed("random", "speculative", e) / plain_median("random"), 3) for e in range(2)
         ],
     }
     if args.hf:
-        summary["trained: plain / HF generate"] = round(speed("trained", "dta_fast.sample") / speed("trained", "HF generate"), 2)
+        summary["trained: plain / HF generate"] = round(plain_median("trained") / speed("trained", "HF generate"), 2)
         summary["trained: speculative (last epoch) / HF generate"] = round(
             speed("trained", "speculative", args.epochs - 1) / speed("trained", "HF generate"), 2
         )
@@ -335,10 +359,12 @@ def main():
         pass
 
     log("")
-    log(f"| method | epoch | tokens/s | tokens per seq-step | accepted per seq-step | accepted per verify step | templated | mean len |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("| method | epoch / run | tokens/s | vs plain median | ms per verify step | tokens per seq-step | "
+        "accepted per seq-step | accepted per verify step | templated | mean len |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['method']} | {r['epoch']} | {r['tokens_per_s']:.0f} | {r.get('tokens_per_sequence_step', 1.0)} | "
+        log(f"| {r['method']} | {r['epoch']} | {r['tokens_per_s']:.0f} | {r['vs_plain_median']:.2f}x | "
+            f"{r.get('ms_per_verify_step', '-')} | {r.get('tokens_per_sequence_step', 1.0)} | "
             f"{r.get('accepted_per_sequence_step', '-')} | {r.get('accepted_per_verify_step', '-')} | "
             f"{r['templated']} | {r['mean_length']} |")  # fmt: skip
     for k, v in summary.items():
