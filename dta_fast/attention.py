@@ -31,7 +31,10 @@ autograd Function and the public ``tree_attention``.
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
-window; the schedule costs one host sync (the number of live block pairs).
+window. Building a schedule needs no host sync up to 4M query-key block pairs
+(a tree of about 128K tokens), one above; checking a ``subtree_end`` (what
+``tree_attention`` does when given one) syncs: build the schedule once with
+``build_schedule`` and pass it to every layer.
 A query that sees a non-finite value row gets NaN where plain attention might
 give inf. Under the Triton interpreter, Triton 3.6 needs the loop-bound fix
 below to run with NumPy 2.4.
@@ -164,8 +167,18 @@ def _build_csr(subtree_end, Tq, BLOCK_M, BLOCK_N):
     counts = live.sum(-1).flatten()  # [B * Mq]
     kv_ptr = torch.zeros(B * Mq + 1, dtype=torch.int32, device=device)
     kv_ptr[1:] = counts.cumsum(0)
-    kv_idx = live.flatten(0, 1).nonzero()[:, 1].to(torch.int32)  # row-major: sorted per query block
+    flat = live.flatten()  # row-major: each query block's live key blocks in order, rows one after another
+    if flat.numel() <= STATIC_CSR_MAX_PAIRS:
+        # sized for every block pair live, so the host never waits for the count; kv_ptr stops each
+        # row before the fill
+        kv_idx = torch.nonzero_static(flat, size=flat.numel(), fill_value=0)[:, 0].remainder(Nk).to(torch.int32)
+    else:  # a huge tree: one host sync instead of an index as large as its block pairs
+        kv_idx = flat.nonzero()[:, 0].remainder(Nk).to(torch.int32)
     return kv_ptr, kv_idx
+
+
+# Block pairs up to which the CSR is built without a host sync (its int64 index then takes at most 32 MiB).
+STATIC_CSR_MAX_PAIRS = 1 << 22
 
 
 def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:

@@ -261,3 +261,38 @@ def test_gpu_deterministic():
     first, second = run(), run()
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("Tq", [700, 1000])
+def test_csr_without_sync_equals_the_synced_one(Tq, monkeypatch):
+    """The schedule's block lists, built sized for every pair (no host sync) and sized by a count."""
+    import dta_fast.attention as ta
+
+    end = subtree_end_from_depths(random_depths(1000, np.random.default_rng(Tq), p_up=0.05)).to(DEVICE)
+    ends = torch.stack([end, torch.arange(1, 1001, device=DEVICE)])  # two trees: a batch of rows
+    static_ptr, static_idx = ta._build_csr(ends, Tq, 64, 32)
+    monkeypatch.setattr(ta, "STATIC_CSR_MAX_PAIRS", 0)
+    ptr, idx = ta._build_csr(ends, Tq, 64, 32)
+    assert torch.equal(static_ptr, ptr)
+    assert static_idx.numel() >= idx.numel() == int(ptr[-1])
+    assert torch.equal(static_idx[: idx.numel()], idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+def test_gpu_prebuilt_schedule_path_never_syncs():
+    """Per layer, tree_attention with a schedule and its backward launch work without waiting on the GPU
+    (as far as CUDA's sync debug mode sees: device-to-host copies such as nonzero's count)."""
+    end = PrefixTree.from_sequences(grpo_batch(1, 1024, 8, 256)).subtree_end.cuda()
+    T = end.shape[0]
+    q, k, v = (x.requires_grad_(True) for x in make_qkv(1, 4, 2, T, T, 64, torch.bfloat16))
+    tree_attention(q, k, v, end).sum().backward()  # autotuning and compiling sync; done here
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        schedule = build_schedule(end, validate=False)
+        out = tree_attention(q, k, v, schedule=schedule)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
