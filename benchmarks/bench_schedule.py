@@ -2,7 +2,7 @@
 
     python benchmarks/bench_schedule.py [--out DIR]
 
-For each shape of bench_attention.py: ``build_schedule`` plus the block lists
+For each tree of compare_attention.py (bench_attention.py's): ``build_schedule`` plus the block lists
 the three kernels read (forward and dQ CSR, dK/dV key-block order) at the
 head dim 128 blocks, mean of 20 calls after 3 warm-up calls, host time (the
 calls return) and host time after draining the GPU. Rows: the block lists
@@ -23,15 +23,9 @@ import torch
 
 import dta_fast.attention as ta
 from dta_fast import build_schedule
-from dta_ref import PrefixTree, agentic_batch, grpo_batch
+from compare_attention import SHAPES  # the same trees as the kernel A/B
+from dta_ref import PrefixTree
 
-SHAPES = {
-    "GRPO P=2K N=8 R=1K": lambda: grpo_batch(1, 2048, 8, 1024),
-    "GRPO P=8K N=16 R=1K": lambda: grpo_batch(1, 8192, 16, 1024),
-    "GRPO P=16K N=16 R=2K": lambda: grpo_batch(1, 16384, 16, 2048),
-    "GRPO P=1K N=64 R=512": lambda: grpo_batch(1, 1024, 64, 512),
-    "agentic 4 tasks x 4 rollouts x 8 turns": lambda: agentic_batch(num_tasks=4, rollouts_per_task=4, turns=8),
-}
 
 
 def build(end, T, validate):
