@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 import dta_fast.attention as ta
-from dta_fast import build_schedule
 from compare_attention import SHAPES  # the same trees as the kernel A/B
+from dta_fast import build_schedule
 from dta_ref import PrefixTree
-
 
 
 def build(end, T, validate):
