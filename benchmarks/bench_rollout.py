@@ -7,7 +7,8 @@ of 16 blocks, each repeating the keys, a fixed phrase, a free choice among 3
 tokens, a filler that depends on the choice, the keys reversed). Then the same
 prompts are sampled at temperature 1 for several epochs, the cache carried
 across epochs, ``--samples`` samples per prompt. The same is done with the
-random-weights model, where there is nothing to reuse.
+random-weights model, where there is nothing to reuse (without EOS unless
+``--random-eos``: its random completion lengths would decide the throughput).
 
 Speed figures are gated on correctness checks in the same run (float32
 copies): greedy dta_fast.sample == dta_ref.sample, greedy speculative with
@@ -214,10 +215,10 @@ def row(name, epoch, completions, seconds, stats, prompts):
 def throughput(model, label, prompts, args, log):
     """Plain runs interleaved with the speculative epochs; speculative rows are compared with the plain median.
 
-    The host runs ahead of a model this small by little, so a run's time moves
-    with the machine (10-40% between identical runs, the first full-length
-    run slowest): one full-length warm-up run is discarded, and the plain
-    engine runs ``--repeats`` times between the speculative epochs.
+    A model this small is bound by the host launching its kernels, so a run's
+    time moves with the machine (10-40% between identical runs, the first
+    full-length run slowest): one full-length warm-up run is discarded, and
+    the plain engine runs ``--repeats`` times between the speculative epochs.
     """
     rows = []
     gen = lambda s: torch.Generator(device=DEVICE).manual_seed(s)  # noqa: E731
