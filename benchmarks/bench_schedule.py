@@ -8,7 +8,8 @@ head dim 128 blocks, mean of 20 calls after 3 warm-up calls, host time (the
 calls return) and host time after draining the GPU. Rows: the block lists
 built with one host sync (the pre-sync-free path, forced), without one, and
 without one but with ``validate=True`` (what ``tree_attention(subtree_end=...)``
-does on every call). Writes schedule_build.json.
+does on every call). Gated on the block lists of both ways being equal.
+Writes schedule_build.json.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ def main():
         end = PrefixTree.from_sequences(make()).subtree_end.cuda()
         T = end.numel()
         row = {"shape": name, "T": T}
+        # gate: the block lists built without a sync are the ones built with one
+        lists = {}
+        for max_pairs in (0, static_max):
+            ta.STATIC_CSR_MAX_PAIRS = max_pairs
+            schedule = build(end, T, False)
+            lists[max_pairs] = [(ptr, idx[: int(ptr[-1])]) for ptr, idx in schedule._csr.values()]
+        if not all(torch.equal(a, b) for x, y in zip(lists[0], lists[static_max]) for a, b in zip(x, y)):
+            raise SystemExit(f"{name}: the block lists built without a sync differ from the synced ones")
         for label, max_pairs, validate in [("one sync", 0, False), ("no sync", static_max, False),
                                            ("no sync, validate", static_max, True)]:  # fmt: skip
             ta.STATIC_CSR_MAX_PAIRS = max_pairs
