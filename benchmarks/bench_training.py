@@ -388,8 +388,13 @@ def plan_timing(args):
                 ms, size = best_ms(lambda: _raises(chunk_tokens_for_budget, model, tree, int(gib * 2**30), recompute), 3)
             rows.append(dict(what=f"chunk_tokens_for_budget {gib:g} GiB, {'recompute' if recompute else 'keep'}",
                              ms=ms, chunk_tokens=size))  # fmt: skip
-        ms, plan = best_ms(lambda: _plan_for_budget(memory, forest, int(gib * 2**30), None, True), 3)
-        rows.append(dict(what=f"automatic choice at {gib:g} GiB", ms=ms, chunk_tokens=plan.size, recompute=plan.recompute))
+        try:
+            ms, plan = best_ms(lambda: _plan_for_budget(memory, forest, int(gib * 2**30), None, True), 3)
+            chosen = dict(chunk_tokens=plan.size, recompute=plan.recompute)
+        except ValueError:
+            ms, _ = best_ms(lambda: _raises(_plan_for_budget, memory, forest, int(gib * 2**30), None, True), 3)
+            chosen = dict(chunk_tokens="too small")
+        rows.append(dict(what=f"automatic choice at {gib:g} GiB", ms=ms, **chosen))
     print(f"\n{tree.num_tokens} unique tokens, longest path {int(tree.lengths.max())}, {args.model} shape, one thread")
     for r in rows:
         extra = {k: v for k, v in r.items() if k not in ("what", "ms")}

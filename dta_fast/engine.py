@@ -304,6 +304,21 @@ class MemoryModel:
             alive = (self.kv + self.activation) * plan.held + self.prefix * plan.saved
         return self.workspace + int(alive.max())
 
+    def floor_bytes(self, path: int, recompute: bool) -> int:
+        """A lower bound on :meth:`step_bytes` over every chunk size, for a forest whose longest path
+        holds ``path`` tokens (docs/chunked_execution.md, "Choosing the chunk size").
+
+        While the chunk (L tokens) of a deepest token runs, the P ancestors of its first token are in
+        open chunks and P >= path - L, so ``held`` >= P + L >= path; recompute mode's terms are then
+        at least (kv + prefix) P + (kv + activation) L, linear in L in [1, path].
+        """
+        if path == 0:
+            return self.workspace
+        if not recompute:
+            return self.workspace + (self.kv + self.activation) * path
+        one = (self.kv + self.prefix) * (path - 1) + self.kv + self.activation
+        return self.workspace + RECOMPUTE_TRANSIENT_BYTES + min(one, (self.kv + self.activation) * path)
+
 
 def activation_bytes_per_token(model) -> int:
     """Estimated bytes autograd saves per packed token for one forward + backward (all layers).
@@ -390,7 +405,7 @@ def _largest_fitting_size(
     open_path = memory.workspace + memory.kv * path + (0 if recompute else memory.activation * path)
     floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
     lo = hi = None  # fits(lo); hi does not fit
-    if open_path + memory.activation <= budget:
+    if memory.floor_bytes(path, recompute) <= budget:  # else nothing fits: no plan needed to say so
         per_token = memory.kv + memory.activation + (memory.prefix if recompute else 0)
         size = min(T, max(floor, (budget - open_path - memory.prefix * path) // per_token))
         if fits(size):
@@ -409,7 +424,7 @@ def _largest_fitting_size(
                 else:
                     hi = size
     if lo is None:
-        best = min(memo.values(), default=open_path + memory.activation)
+        best = min(memo.values(), default=memory.floor_bytes(path, recompute))
         raise ValueError(
             f"memory budget of {budget / 2**30:.3f} GiB is too small: the smallest estimate over chunk sizes is "
             f"{best / 2**30:.3f} GiB (the open chunks' K/V, the logits workspace and "

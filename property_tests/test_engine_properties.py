@@ -11,6 +11,7 @@ import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree
 from property_tests.strategies import rollout_sets, seeds
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
+from dta_fast.engine import MemoryModel, plan_chunks
 from tests.test_engine import check_plan
 
 _decoders: dict[int, torch.nn.Module] = {}
@@ -78,3 +79,14 @@ def test_tree_backward_hf_matches_flat(sequences, chunk, family):
 def test_plan_prefix_is_the_path(sequences, size, recompute):
     """The plan's prefix pieces of every chunk are its first token's ancestors, in open chunks."""
     check_plan(PrefixTree.from_sequences(sequences), size, recompute)
+
+
+@given(sequences=rollout_sets(max_sequences=12, max_len=30), recompute=st.booleans(), seed=seeds())
+def test_memory_floor_bounds_every_plan(sequences, recompute, seed):
+    """MemoryModel.floor_bytes, which lets chunk_tokens_for_budget refuse a budget without planning,
+    is at most every chunk size's estimate."""
+    tree = PrefixTree.from_sequences(sequences)
+    memory = MemoryModel.of(_model(seed % 3))
+    floor = memory.floor_bytes(int(tree.lengths.max()), recompute)
+    estimates = [memory.step_bytes(plan_chunks(tree, size, recompute)) for size in range(1, tree.num_tokens + 1)]
+    assert floor <= min(estimates)
