@@ -1,21 +1,30 @@
 """Tree attention forward+backward against its peers, on one GPU.
 
-    python benchmarks/bench_attention.py [--shapes grpo dualkv agentic] [--out DIR]
+    python benchmarks/bench_attention.py [--shapes grpo dualkv agentic qwen2] [--out DIR]
 
-Methods, each timed forward + backward with triton.testing.do_bench:
-  tree   dta_fast.tree_attention over the packed tree
-  flex   FlexAttention (compiled) with the tree mask_mod kv <= q < end[kv]
-  sdpa   SDPA flash on each sequence alone (the flat computation)
-  dense  SDPA with a dense bool T x T mask (small trees only)
-Every row is gated on correctness first: tree's output and gradients are
-compared with FlexAttention's in the same run; a red gate reports no speedup.
-TFLOP/s count useful work only: 14 * (visible query-key pairs) * D * Hq
-(forward 4, backward 10 flops per pair and head dim).
+Methods, each forward + backward:
+  tree        dta_fast.tree_attention over the packed tree, its schedule built once outside the timing
+              (as FlexAttention's BlockMask is)
+  tree_call   the same with the schedule built inside every call (``subtree_end=``)
+  flex        FlexAttention (compiled) with the tree mask_mod kv <= q < end[kv] and a prebuilt BlockMask
+  sdpa        SDPA's default backend on each sequence alone (the flat computation: what a user gets
+              without a tree; cuDNN on H100)
+  sdpa_flash  the same forced to SDPA's flash backend
+  dense       SDPA with a dense bool T x T mask (small trees only)
+and the forward alone of tree and flex (``tree_fwd``, ``flex_fwd``).
+
+Every method is timed twice: triton.testing.do_bench (median) and the
+median of CUDA-event timings of single calls after warm-up; the table shows
+both. Every row is gated on correctness first: tree's output and gradients
+are compared with FlexAttention's in the same run; a red gate reports no
+speedup. TFLOP/s count useful work only: 4 flops per visible query-key pair
+and head dim forward, 10 backward (14 for forward + backward).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -42,8 +51,15 @@ SHAPES = {
     "agentic": [
         dict(name="agentic 4 tasks x 4 rollouts x 8 turns", kind="agentic", tasks=4, rollouts=4, turns=8, H=32, Hkv=8),
     ],
+    "qwen2": [  # Qwen2-0.5B's attention: 14 query heads, 2 K/V heads, head dim 64
+        dict(name="GRPO P=2K N=8 R=1K, D=64 GQA 14/2", kind="grpo", P=2048, N=8, R=1024, H=14, Hkv=2, D=64),
+        dict(name="GRPO P=8K N=16 R=1K, D=64 GQA 14/2", kind="grpo", P=8192, N=16, R=1024, H=14, Hkv=2, D=64),
+        dict(name="agentic 4x4x8, D=64 GQA 14/2", kind="agentic", tasks=4, rollouts=4, turns=8, H=14, Hkv=2, D=64),
+    ],
 }
-D = 128
+HEAD_DIM = 128  # unless the shape says otherwise
+METHODS = ("tree", "tree_call", "flex", "sdpa", "sdpa_flash", "dense", "tree_fwd", "flex_fwd")
+EVENT_REPEATS = 30
 DENSE_MAX_T = 36 * 1024
 
 
@@ -74,8 +90,25 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+def event_median(step, inputs, repeats=EVENT_REPEATS) -> float:
+    """Median ms of single calls timed with CUDA events, after three warm-up calls."""
+    times = []
+    for i in range(3 + repeats):
+        for x in inputs:
+            x.grad = None
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        stop.record()
+        stop.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
 def measure(step, inputs):
-    """Median, 20th and 80th percentile ms and peak memory (GiB) above the inputs."""
+    """do_bench's median, 20th and 80th percentile ms, the CUDA-event median, and the peak memory (GiB)
+    above the inputs."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -83,18 +116,18 @@ def measure(step, inputs):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = do_bench(step, quantiles=[0.5, 0.2, 0.8], grad_to_none=inputs)
-    return ms, peak
+    ms, lo, hi = do_bench(step, quantiles=[0.5, 0.2, 0.8], grad_to_none=inputs)
+    return dict(ms=ms, ms_p20=lo, ms_p80=hi, event_ms=event_median(step, inputs), peak_gib=peak)
 
 
 def bench_shape(shape, flex_compiled):
     from torch.nn.attention.flex_attention import create_block_mask
 
     tree = build_tree(shape)
-    T, H, Hkv = tree.num_tokens, shape["H"], shape["Hkv"]
+    T, H, Hkv, D = tree.num_tokens, shape["H"], shape["Hkv"], shape.get("D", HEAD_DIM)
     end = tree.subtree_end.cuda()
     pairs = int((tree.subtree_end - torch.arange(T)).sum())  # every key j is seen by end[j] - j queries
-    flops = 14 * pairs * D * H
+    flops = dict(fwd=4 * pairs * D * H, both=14 * pairs * D * H)
     g = torch.Generator(device="cuda").manual_seed(0)
     dtype = torch.bfloat16
 
@@ -109,6 +142,9 @@ def bench_shape(shape, flex_compiled):
 
     def tree_fn(a, b, c):
         return tree_attention(a, b, c, schedule=schedule)
+
+    def tree_call_fn(a, b, c):
+        return tree_attention(a, b, c, subtree_end=end)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
@@ -125,23 +161,42 @@ def bench_shape(shape, flex_compiled):
     row["gate_ok"] = all(e < 2e-2 for e in errors.values())
     del ours, theirs
 
+    def forward_only(fn):
+        def step():
+            with torch.no_grad():
+                fn(q, k, v)
+
+        return step
+
     results = {}
     results["tree"] = measure(fwd_bwd(tree_fn, (q, k, v), do), [q, k, v])
+    results["tree_call"] = measure(fwd_bwd(tree_call_fn, (q, k, v), do), [q, k, v])
     results["flex"] = measure(fwd_bwd(flex_fn, (q, k, v), do), [q, k, v])
+    results["tree_fwd"] = measure(forward_only(tree_fn), [])
+    results["flex_fwd"] = measure(forward_only(flex_fn), [])
 
-    # each sequence alone with flash: equal-length sequences batched, no sharing
+    # each sequence alone: equal-length sequences batched, no sharing; K/V heads repeated for GQA
     lengths = tree.lengths.tolist()
     flat_inputs = []
     for L in sorted(set(lengths)):
         n = lengths.count(L)
-        flat_inputs.append(tuple(rand(n, H, L, D) for _ in range(3)) + (torch.randn(n, H, L, D, device="cuda", dtype=dtype),))
+        flat_inputs.append((rand(n, H, L, D), rand(n, Hkv, L, D), rand(n, Hkv, L, D),
+                            torch.randn(n, H, L, D, device="cuda", dtype=dtype)))  # fmt: skip
 
-    def flat_step():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            for a, b, c, d in flat_inputs:
-                F.scaled_dot_product_attention(a, b, c, is_causal=True).backward(d)
+    def flat_step(backend=None):  # None: SDPA's own choice, as a user gets it
+        def step():
+            with torch.nn.attention.sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                for a, b, c, d in flat_inputs:
+                    F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=Hkv != H).backward(d)
 
-    results["sdpa"] = measure(flat_step, [x for t in flat_inputs for x in t[:3]])
+        return step
+
+    flat_leaves = [x for t in flat_inputs for x in t[:3]]
+    results["sdpa"] = measure(flat_step(), flat_leaves)
+    try:
+        results["sdpa_flash"] = measure(flat_step(torch.nn.attention.SDPBackend.FLASH_ATTENTION), flat_leaves)
+    except RuntimeError:  # GQA inputs the flash backend refuses
+        pass
     flat_inputs.clear()
 
     if T <= DENSE_MAX_T:
@@ -155,28 +210,32 @@ def bench_shape(shape, flex_compiled):
         results["dense"] = measure(fwd_bwd(dense_fn, (q, k, v), do), [q, k, v])
         del dense
 
-    for method, ((ms, lo, hi), peak) in results.items():
-        row[method] = dict(ms=ms, ms_p20=lo, ms_p80=hi, tflops=flops / ms / 1e9, peak_gib=peak)
+    for method, r in results.items():
+        work = flops["fwd" if method.endswith("_fwd") else "both"]
+        row[method] = r | dict(tflops=work / r["ms"] / 1e9, event_tflops=work / r["event_ms"] / 1e9)
     if row["gate_ok"]:
-        for peer in ("flex", "sdpa", "dense"):
+        for peer in ("flex", "sdpa", "sdpa_flash", "dense"):
             if peer in row:
                 row[f"speedup_vs_{peer}"] = row[peer]["ms"] / row["tree"]["ms"]
+                row[f"event_speedup_vs_{peer}"] = row[peer]["event_ms"] / row["tree"]["event_ms"]
+        row["fwd_speedup_vs_flex"] = row["flex_fwd"]["ms"] / row["tree_fwd"]["ms"]
     return row
 
 
 def print_table(rows):
-    header = f"{'shape':<40} {'T':>7} {'flat':>8} {'gate':>5} " + " ".join(
-        f"{m + ' ms':>10} {m + ' TF/s':>10}" for m in ("tree", "flex", "sdpa", "dense")
-    ) + f" {'x flex':>7} {'x sdpa':>7} {'tree GiB':>9}"
-    print(header)
+    """ms as do_bench / CUDA-event medians; TF/s from do_bench."""
+    cols = ("tree", "tree_call", "flex", "sdpa", "sdpa_flash", "tree_fwd", "flex_fwd")
+    print("ms: do_bench median / CUDA-event median; TF/s of useful work from do_bench")
+    print(f"{'shape':<36} {'T':>7} {'gate':>5} " + " ".join(f"{m:>15}" for m in cols)
+          + f" {'tree TF/s':>9} {'fwd TF/s':>9} {'x flex':>11} {'x sdpa':>11} {'fwd x flex':>10}")  # fmt: skip
     for r in rows:
-        cells = []
-        for m in ("tree", "flex", "sdpa", "dense"):
-            cells.append(f"{r[m]['ms']:>10.2f} {r[m]['tflops']:>10.0f}" if m in r else f"{'-':>10} {'-':>10}")
-        sf = f"{r.get('speedup_vs_flex', float('nan')):>7.2f}"
-        ss = f"{r.get('speedup_vs_sdpa', float('nan')):>7.2f}"
+        cells = [f"{r[m]['ms']:>7.2f}/{r[m]['event_ms']:<7.2f}" if m in r else f"{'-':>15}" for m in cols]
+        def x(peer):
+            return f"{r[f'speedup_vs_{peer}']:>5.2f}/{r[f'event_speedup_vs_{peer}']:<5.2f}" if f"speedup_vs_{peer}" in r else f"{'-':>11}"
         gate = "ok" if r["gate_ok"] else "FAIL"
-        print(f"{r['name']:<40} {r['T']:>7} {r['flat_tokens']:>8} {gate:>5} " + " ".join(cells) + f" {sf} {ss} {r['tree']['peak_gib']:>9.2f}")
+        print(f"{r['name']:<36} {r['T']:>7} {gate:>5} " + " ".join(cells)
+              + f" {r['tree']['tflops']:>9.0f} {r['tree_fwd']['tflops']:>9.0f} {x('flex')} {x('sdpa')}"
+              + f" {r.get('fwd_speedup_vs_flex', float('nan')):>10.2f}")  # fmt: skip
 
 
 def plot(rows, path):
@@ -186,14 +245,14 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    methods = [m for m in ("tree", "flex", "sdpa", "dense")]
-    width = 0.2
+    methods = ("tree", "tree_call", "flex", "sdpa", "sdpa_flash")
+    width = 0.16
     for i, m in enumerate(methods):
-        xs = [j + (i - 1.5) * width for j in range(len(rows))]
+        xs = [j + (i - 2) * width for j in range(len(rows))]
         ax.bar(xs, [r[m]["tflops"] if m in r else 0 for r in rows], width, label=m)
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s of useful tree work (fwd+bwd)")
-    ax.set_title(f"Tree attention, {torch.cuda.get_device_name()}, bf16, D={D}")
+    ax.set_title(f"Tree attention, {torch.cuda.get_device_name()}, bf16 (do_bench medians)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

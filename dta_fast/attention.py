@@ -8,8 +8,8 @@ Layout of this file, top to bottom: the block schedule (built on the GPU from
 ``subtree_end``), the forward kernel, the dK/dV kernel, the dQ kernel, the
 autograd Function and the public ``tree_attention``.
 
-- Forward and dQ: a query block visits only its live key blocks, listed in a
-  CSR schedule (``kv_ptr``/``kv_idx``) built with a few tensor ops.
+- Forward and dQ: a query block visits only its live key blocks, listed per
+  query block (``kv_count``/``kv_idx``) by one small kernel with no host sync.
 - dK/dV: the queries that see key j are ``[j, subtree_end[j])``; for
   consecutive keys these ranges chain, so a key block's live queries are one
   contiguous range. The kernel walks it directly, summing over the query
@@ -94,17 +94,30 @@ def validate_subtree_end(subtree_end: torch.Tensor) -> None:
     nesting_depth(subtree_end)
 
 
+def _validate_once(subtree_end: torch.Tensor) -> None:
+    """Check a subtree_end tensor once until it is written in place (its version counter moves): the
+    layers of a model pass one tensor to every call, and each check is a host sync."""
+    rows = subtree_end if subtree_end.dim() == 2 else subtree_end[None]
+    if subtree_end.is_inference():  # no version counter
+        return validate_subtree_end(rows)
+    if getattr(subtree_end, "_dta_checked_version", None) != subtree_end._version:
+        validate_subtree_end(rows)
+        subtree_end._dta_checked_version = subtree_end._version
+
+
 @dataclass
 class TreeSchedule:
     """Per-tree data shared by every attention call over the same tree (e.g. all layers).
 
-    ``csr(BLOCK_M, BLOCK_N)`` lists, per query block, its live key blocks;
-    ``key_block_order`` ranks the key blocks by the queries they walk in dK/dV.
+    ``block_lists(BLOCK_M, BLOCK_N)`` lists, per query block, its live key
+    blocks; ``key_block_order`` ranks the key blocks by the queries they walk
+    in dK/dV. Both are built on the GPU without waiting for it, once per
+    block shape.
     """
 
     subtree_end: torch.Tensor  # [B, Tk] int32
     num_queries: int
-    _csr: dict = field(default_factory=dict, repr=False)
+    _lists: dict = field(default_factory=dict, repr=False)
     _order: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -115,11 +128,11 @@ class TreeSchedule:
     def q_offset(self) -> int:
         return self.num_keys - self.num_queries
 
-    def csr(self, BLOCK_M: int, BLOCK_N: int):
+    def block_lists(self, BLOCK_M: int, BLOCK_N: int) -> "BlockLists":
         key = (BLOCK_M, BLOCK_N)
-        if key not in self._csr:
-            self._csr[key] = _build_csr(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
-        return self._csr[key]
+        if key not in self._lists:
+            self._lists[key] = _build_block_lists(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+        return self._lists[key]
 
     def key_block_order(self, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
         """int32 [B * Nk]: the (batch row, key block) pairs, most query blocks to walk first.
@@ -134,51 +147,87 @@ class TreeSchedule:
         return self._order[key]
 
 
-def _block_max_end(subtree_end, BLOCK_N):
-    """[B, Nk]: the largest subtree end in each key block (0 past Tk)."""
-    B, Tk = subtree_end.shape
-    Nk = triton.cdiv(Tk, BLOCK_N)
-    padded = torch.nn.functional.pad(subtree_end, (0, Nk * BLOCK_N - Tk), value=0)
-    return padded.view(B, Nk, BLOCK_N).amax(-1)
+@dataclass(frozen=True)
+class BlockLists:
+    """The live key blocks of every (batch row, query block) ``r = b * Mq + m``, in key order:
+    ``idx[r * Nk : r * Nk + count[r]]`` (rows sized for every key block, so no count is read back)."""
+
+    count: torch.Tensor  # [B * Mq] int32
+    idx: torch.Tensor  # [B * Mq * Nk] int32; past each row's count: unused
+    num_key_blocks: int  # Nk, the row stride of idx
+
+    def rows(self) -> list[list[int]]:
+        """Every row's live key blocks (reads the GPU: for tests and inspection)."""
+        count, idx, Nk = self.count.tolist(), self.idx.tolist(), self.num_key_blocks
+        return [idx[r * Nk : r * Nk + c] for r, c in enumerate(count)]
+
+
+@triton.jit
+def block_lists_kernel(
+    END, COUNT, IDX, stride_eb, Tq, Tk, NK,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One (query block, batch row): its live key blocks, those before its last query whose largest
+    subtree end passes its first query, written in order (a prefix sum over chunks of key blocks)."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    row = (b * tl.num_programs(0) + pid_m).to(tl.int64)
+    q_first = Tk - Tq + pid_m * BLOCK_M
+    n_stop = tl.cdiv(tl.minimum(q_first + BLOCK_M, Tk), BLOCK_N)  # key blocks starting before its last query
+    END += b.to(tl.int64) * stride_eb
+    count = 0
+    for n0 in range(0, n_stop, CHUNK):
+        offs_c = n0 + tl.arange(0, CHUNK)
+        offs_t = offs_c[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ends = tl.load(END + offs_t, mask=(offs_t < Tk) & (offs_c[:, None] < n_stop), other=0)
+        live = (tl.max(ends, 1) > q_first) & (offs_c < n_stop)
+        slot = count + tl.cumsum(live.to(tl.int32), 0) - 1
+        tl.store(IDX + row * NK + slot, offs_c, mask=live)
+        count += tl.sum(live.to(tl.int32), 0)
+    tl.store(COUNT + row, count)
+
+
+@triton.jit
+def key_block_work_kernel(
+    END, WORK, stride_eb, Tq, Tk, NK,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Query blocks each key block's dK/dV program walks: from the block of its first key's query
+    position to the block of its largest subtree end (the kernel's m_lo..m_hi)."""
+    b = tl.program_id(1)
+    offs_c = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    offs_t = offs_c[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    ends = tl.load(END + b.to(tl.int64) * stride_eb + offs_t, mask=offs_t < Tk, other=0)
+    q_offset = Tk - Tq
+    m_lo = tl.maximum(offs_c * BLOCK_N - q_offset, 0) // BLOCK_M
+    m_hi = (tl.maximum(tl.max(ends, 1) - q_offset, 0) + BLOCK_M - 1) // BLOCK_M
+    tl.store(WORK + b * NK + offs_c, tl.maximum(m_hi - m_lo, 0), mask=offs_c < NK)
+
+
+SCHEDULE_CHUNK = 16  # key blocks a schedule program looks at per step
 
 
 def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
-    """[B * Nk]: query blocks each key block's dK/dV program walks (the kernel's m_lo..m_hi)."""
-    Tk = subtree_end.shape[1]
-    q_offset = Tk - Tq
-    max_end = _block_max_end(subtree_end, BLOCK_N)
-    k_first = torch.arange(max_end.shape[1], device=subtree_end.device) * BLOCK_N
-    m_lo = (k_first - q_offset).clamp(min=0) // BLOCK_M
-    m_hi = (max_end - q_offset + BLOCK_M - 1).div(BLOCK_M, rounding_mode="floor")
-    return (m_hi - m_lo[None, :]).clamp(min=0).flatten()
-
-
-def _build_csr(subtree_end, Tq, BLOCK_M, BLOCK_N):
-    """kv_ptr [B * Mq + 1] int32 and kv_idx [nnz] int32: live key blocks per (batch, query block)."""
+    """[B * Nk] int32: query blocks each key block's dK/dV program walks."""
     B, Tk = subtree_end.shape
-    q_offset = Tk - Tq
+    Nk = triton.cdiv(Tk, BLOCK_N)
+    work = torch.empty(B * Nk, dtype=torch.int32, device=subtree_end.device)
+    key_block_work_kernel[(triton.cdiv(Nk, SCHEDULE_CHUNK), B)](
+        subtree_end, work, subtree_end.stride(0), Tq, Tk, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
+    )  # fmt: skip
+    return work
+
+
+def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
+    B, Tk = subtree_end.shape
     Mq, Nk = triton.cdiv(Tq, BLOCK_M), triton.cdiv(Tk, BLOCK_N)
-    max_end = _block_max_end(subtree_end, BLOCK_N)  # [B, Nk]
-    device = subtree_end.device
-    q_first = q_offset + torch.arange(Mq, device=device) * BLOCK_M  # key position of each block's first query
-    q_stop = (q_first + BLOCK_M).clamp(max=Tk)
-    k_first = torch.arange(Nk, device=device) * BLOCK_N
-    live = (k_first[None, None, :] < q_stop[None, :, None]) & (max_end[:, None, :] > q_first[None, :, None])
-    counts = live.sum(-1).flatten()  # [B * Mq]
-    kv_ptr = torch.zeros(B * Mq + 1, dtype=torch.int32, device=device)
-    kv_ptr[1:] = counts.cumsum(0)
-    flat = live.flatten()  # row-major: each query block's live key blocks in order, rows one after another
-    if flat.numel() <= STATIC_CSR_MAX_PAIRS:
-        # sized for every block pair live, so the host never waits for the count; kv_ptr stops each
-        # row before the fill
-        kv_idx = torch.nonzero_static(flat, size=flat.numel(), fill_value=0)[:, 0].remainder(Nk).to(torch.int32)
-    else:  # a huge tree: one host sync instead of an index as large as its block pairs
-        kv_idx = flat.nonzero()[:, 0].remainder(Nk).to(torch.int32)
-    return kv_ptr, kv_idx
-
-
-# Block pairs up to which the CSR is built without a host sync (its int64 index then takes at most 32 MiB).
-STATIC_CSR_MAX_PAIRS = 1 << 22
+    count = torch.empty(B * Mq, dtype=torch.int32, device=subtree_end.device)
+    idx = torch.empty(B * Mq * Nk, dtype=torch.int32, device=subtree_end.device)
+    block_lists_kernel[(Mq, B)](
+        subtree_end, count, idx, subtree_end.stride(0), Tq, Tk, Nk,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
+    )  # fmt: skip
+    return BlockLists(count, idx, Nk)
 
 
 def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
@@ -187,10 +236,11 @@ def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, va
         raise TypeError(f"subtree_end must be a tensor, got {type(subtree_end).__name__}")
     if subtree_end.dtype not in (torch.int32, torch.int64, torch.int16):
         raise TypeError(f"subtree_end must be an integer tensor, got {subtree_end.dtype}")
+    if subtree_end.dim() not in (1, 2):
+        raise ValueError(f"subtree_end must be [Tk] or [B, Tk], got shape {tuple(subtree_end.shape)}")
+    given = subtree_end
     if subtree_end.dim() == 1:
         subtree_end = subtree_end[None]
-    if subtree_end.dim() != 2:
-        raise ValueError(f"subtree_end must be [Tk] or [B, Tk], got shape {tuple(subtree_end.shape)}")
     Tk = subtree_end.shape[1]
     num_queries = Tk if num_queries is None else num_queries
     if not 1 <= num_queries <= Tk:
@@ -198,7 +248,7 @@ def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, va
     if Tk >= 2**31 - 1:
         raise ValueError(f"too many keys for int32 tree metadata: {Tk}")
     if validate:
-        validate_subtree_end(subtree_end)
+        _validate_once(given)
     return TreeSchedule(subtree_end.to(torch.int32).contiguous(), num_queries)
 
 
@@ -263,13 +313,13 @@ def finite_rows_kernel(
 @triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def tree_attention_fwd_kernel(
-    Q, K, V, O, LSE, END, KV_PTR, KV_IDX, SEES_BAD,
+    Q, K, V, O, LSE, END, KV_COUNT, KV_IDX, SEES_BAD,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    stride_eb, stride_kv_ptr_b,
+    stride_eb, stride_kv_b, NK,
     Hq, GROUP, Tq, Tk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -297,9 +347,9 @@ def tree_attention_fwd_kernel(
     q_first = q_offset + pid_m * BLOCK_M
     q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
 
-    row = b * stride_kv_ptr_b + pid_m  # the schedule is shared by the batch when subtree_end is
-    start = tl.load(KV_PTR + row)
-    stop = tl.load(KV_PTR + row + 1)
+    row = b * stride_kv_b + pid_m  # the schedule is shared by the batch when subtree_end is
+    start = row * NK
+    stop = start + tl.load(KV_COUNT + row)
     for e in range(start, stop):
         n = tl.load(KV_IDX + e)
         offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -445,14 +495,14 @@ def tree_attention_bwd_dkdv_kernel(
 @triton.autotune(configs=_configs("dq"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
 @triton.jit
 def tree_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, END, KV_PTR, KV_IDX,
+    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_IDX,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dqb, stride_dqh, stride_dqt,
-    stride_eb, stride_kv_ptr_b,
+    stride_eb, stride_kv_b, NK,
     Hq, GROUP, Tq, Tk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -482,9 +532,9 @@ def tree_attention_bwd_dq_kernel(
     q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row = b * stride_kv_ptr_b + pid_m  # the schedule is shared by the batch when subtree_end is
-    start = tl.load(KV_PTR + row)
-    stop = tl.load(KV_PTR + row + 1)
+    row = b * stride_kv_b + pid_m  # the schedule is shared by the batch when subtree_end is
+    start = row * NK
+    stop = start + tl.load(KV_COUNT + row)
     for e in range(start, stop):
         n = tl.load(KV_IDX + e)
         offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -538,7 +588,7 @@ def _block_d(head_dim: int) -> int:
 
 
 def _batch_strides(end, num_m_blocks):
-    """Batch strides of subtree_end and of the CSR rows: 0 when one tree serves the whole batch."""
+    """Batch strides of subtree_end and of the block-list rows: 0 when one tree serves the whole batch."""
     return (end.stride(0), num_m_blocks) if end.shape[0] > 1 else (0, 0)
 
 
@@ -550,7 +600,7 @@ def _forward(q, k, v, schedule, sm_scale):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     BM, BN = _blocks("fwd", D)
-    kv_ptr, kv_idx = schedule.csr(BM, BN)
+    lists = schedule.block_lists(BM, BN)
     end = schedule.subtree_end
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
@@ -560,10 +610,10 @@ def _forward(q, k, v, schedule, sm_scale):
     v_finite, v_bad = _finite_rows(v)
     sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
     tree_attention_fwd_kernel[(num_m_blocks, B * Hq)](
-        q, k, v_finite, o, lse, end, kv_ptr, kv_idx, sees_bad,
+        q, k, v_finite, o, lse, end, lists.count, lists.idx, sees_bad,
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
-        *_batch_strides(end, num_m_blocks),
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
         Hq, Hq // Hkv, Tq, Tk,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
@@ -651,14 +701,14 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     Hkv, Tk = k.shape[1], k.shape[2]
     BM, BN = _blocks("dq", D)
     end = schedule.subtree_end
-    kv_ptr, kv_idx = schedule.csr(BM, BN)
+    lists = schedule.block_lists(BM, BN)
     num_m_blocks = triton.cdiv(Tq, BM)
     dq = torch.empty_like(q)
     tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
-        q, k, v, do, lse, delta, dq, end, kv_ptr, kv_idx,
+        q, k, v, do, lse, delta, dq, end, lists.count, lists.idx,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        *_batch_strides(end, num_m_blocks), Hq, Hq // Hkv, Tq, Tk,
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
