@@ -266,17 +266,18 @@ def main():
     from torch.nn.attention.flex_attention import flex_attention
 
     flex_compiled = torch.compile(flex_attention)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+                harness="bench_attention.py: do_bench medians and CUDA-event medians")  # fmt: skip
     rows = []
     for group in args.shapes:
         for shape in SHAPES[group]:
             rows.append(bench_shape(shape, flex_compiled))
             print(f"done: {shape['name']}", flush=True)
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace(" ", "_")
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__)
-    (out / f"attention_{gpu}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+            (out / f"attention_{gpu}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     plot(rows, out / f"attention_{gpu}.png")
     print_table(rows)
 
