@@ -238,15 +238,20 @@ def throughput(model, label, prompts, args, log):
         log(f"  {rows[-1]}")
 
     cache = dta_ref.RolloutCache()
+
+    def speculative(epoch):
+        out, s = timed(lambda: dta_fast.speculative_sample(
+            model, prompts, args.max_new_tokens, cache=cache, generator=gen(10 + epoch),
+            max_draft_tokens=args.max_draft_tokens, **kw))  # fmt: skip
+        rows.append(row(f"{label}: speculative", epoch, out.completions, s, out.stats, prompts))
+        log(f"  {rows[-1]}")
+
     for epoch in range(max(args.epochs, args.repeats)):
-        if epoch < args.repeats:
-            plain(epoch)
-        if epoch < args.epochs:
-            out, s = timed(lambda: dta_fast.speculative_sample(
-                model, prompts, args.max_new_tokens, cache=cache, generator=gen(10 + epoch),
-                max_draft_tokens=args.max_draft_tokens, **kw))  # fmt: skip
-            rows.append(row(f"{label}: speculative", epoch, out.completions, s, out.stats, prompts))
-            log(f"  {rows[-1]}")
+        # the order alternates, so that a drift of the machine's speed falls on both alike
+        runs = [(plain, epoch < args.repeats), (speculative, epoch < args.epochs)]
+        for run, due in runs[:: 1 if epoch % 2 == 0 else -1]:
+            if due:
+                run(epoch)
     if args.hf:
         eos = None if args.no_eos else EOS
         hf_generate(model, prompts[:4], 16, 0, eos)
@@ -268,6 +273,9 @@ def main():
     ap.add_argument("--max-draft-tokens", type=int, default=32)
     ap.add_argument("--no-hf", dest="hf", action="store_false")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs, interleaved with the speculative epochs")
+    ap.add_argument("--random-repeats", type=int, default=5,
+                    help="random-weights runs of each engine, interleaved (run-to-run noise is ~10%%: a model this "
+                         "small is bound by the host)")
     ap.add_argument("--random-eos", action="store_true",
                     help="random-weights rows with EOS (by default none: every run then generates the same number "
                          "of tokens, where with EOS the runs' random lengths decide their throughput)")
@@ -309,7 +317,8 @@ def main():
     rows = throughput(model, "trained", prompts, args, log)
     log("random weights")
     rargs = copy.copy(args)
-    rargs.max_new_tokens, rargs.epochs, rargs.no_eos = args.random_max_new_tokens, 2, not args.random_eos
+    rargs.max_new_tokens, rargs.no_eos = args.random_max_new_tokens, not args.random_eos
+    rargs.epochs = rargs.repeats = args.random_repeats
     rows += throughput(random_model, "random", prompts, rargs, log)
     result["rows"] = rows
 
@@ -328,8 +337,12 @@ def main():
             round(speed("trained", "speculative", e) / plain_median("trained"), 2) for e in range(args.epochs)
         ],
         "random: speculative / plain, by epoch": [
-            round(speed("random", "speculative", e) / plain_median("random"), 3) for e in range(2)
+            round(speed("random", "speculative", e) / plain_median("random"), 3) for e in range(args.random_repeats)
         ],
+        "random: median speculative / median plain": round(
+            sorted(speed("random", "speculative", e) for e in range(args.random_repeats))[args.random_repeats // 2]
+            / plain_median("random"), 3
+        ),
     }
     if args.hf:
         summary["trained: plain / HF generate"] = round(plain_median("trained") / speed("trained", "HF generate"), 2)
