@@ -271,12 +271,6 @@ def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):
 LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
 
 
-# Transient buffers the per-token terms leave out, measured against peaks on an H100 (Qwen2-0.5B
-# shape, docs/benchmarks.md): the vocabulary head's backward holds a float32 and a bf16 copy of its
-# weight-sized gradient; recompute mode's peak holds about two more float32 logits windows (cause not
-# isolated).
-RECOMPUTE_TRANSIENT_BYTES = 2 * LOGITS_CHUNK_ELEMENTS * 4
-
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -289,6 +283,8 @@ class MemoryModel:
 
     @classmethod
     def of(cls, model) -> "MemoryModel":
+        # the vocabulary head's backward holds a float32 and a bf16 copy of its weight-sized gradient
+        # (a memory snapshot of the 1.7B shape's step on an H100 shows both at the peak)
         head = adapt(model).head.weight
         workspace = LOGITS_WORKSPACE_BYTES + head.numel() * (4 + head.element_size())
         return cls(activation_bytes_per_token(model), kv_bytes_per_token(model), _prefix_bytes_per_token(model), workspace)
@@ -299,7 +295,6 @@ class MemoryModel:
             return self.workspace
         if plan.recompute:  # the running chunk's activations, every open chunk's K/V
             alive = self.kv * plan.held + self.prefix * plan.prefix_tokens + self.activation * plan.lengths
-            alive = alive + RECOMPUTE_TRANSIENT_BYTES
         else:  # every open chunk's graph
             alive = (self.kv + self.activation) * plan.held + self.prefix * plan.saved
         return self.workspace + int(alive.max())
@@ -317,7 +312,7 @@ class MemoryModel:
         if not recompute:
             return self.workspace + (self.kv + self.activation) * path
         one = (self.kv + self.prefix) * (path - 1) + self.kv + self.activation
-        return self.workspace + RECOMPUTE_TRANSIENT_BYTES + min(one, (self.kv + self.activation) * path)
+        return self.workspace + min(one, (self.kv + self.activation) * path)
 
 
 def activation_bytes_per_token(model) -> int:
