@@ -265,6 +265,13 @@ def _configs(kind):
     return _tuned_configs(kind)
 
 
+def _size_class(num_queries: int) -> int:
+    """Autotune bucket (the kernels' ``SIZE_CLASS``, a key and nothing else): the warps and stages that
+    win on a decode step are not those of a training chunk, and a process tunes once per bucket, on
+    the first call that falls in it."""
+    return sum(num_queries >= bound for bound in (64, 1024, 16384))
+
+
 def _tuned_configs(kind):
     # from benchmarks/tune_attention.py on H100/H200 at head dim 128; dK/dV's 32x64 blocks want 4 stages
     warps_stages = {
@@ -310,8 +317,8 @@ def finite_rows_kernel(
     tl.store(BAD + pid_bh * T + offs_t, bad.to(tl.int8), mask=mask_t)
 
 
-@triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
-@triton.jit
+@triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_fwd_kernel(
     Q, K, V, O, LSE, END, KV_COUNT, KV_IDX, SEES_BAD,
     qk_scale,  # softmax scale * log2(e)
@@ -320,7 +327,7 @@ def tree_attention_fwd_kernel(
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     stride_eb, stride_kv_b, NK,
-    Hq, GROUP, Tq, Tk,
+    Hq, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -412,8 +419,8 @@ def tree_attention_bwd_preprocess_kernel(
              tl.where((row_nan == 0.0)[:, None], do, 0.0), mask=mask)
 
 
-@triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
-@triton.jit
+@triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, END, ORDER,
     qk_scale, sm_scale,
@@ -424,7 +431,7 @@ def tree_attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
     stride_eb, heads_per_row,
-    Hq, Hkv, GROUP, Tq, Tk,
+    Hq, Hkv, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -492,8 +499,8 @@ def tree_attention_bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
-@triton.autotune(configs=_configs("dq"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N"])
-@triton.jit
+@triton.autotune(configs=_configs("dq"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_IDX,
     qk_scale, sm_scale,
@@ -503,7 +510,7 @@ def tree_attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_dqb, stride_dqh, stride_dqt,
     stride_eb, stride_kv_b, NK,
-    Hq, GROUP, Tq, Tk,
+    Hq, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -614,7 +621,7 @@ def _forward(q, k, v, schedule, sm_scale):
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
-        Hq, Hq // Hkv, Tq, Tk,
+        Hq, Hq // Hkv, Tq, Tk, _size_class(Tq),
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
@@ -633,19 +640,41 @@ def _finite_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_finite, bad
 
 
-def _queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> torch.Tensor:
-    """[B, H, Tq] int8: 1 for the queries that see at least one key flagged in ``keys`` [B, H, Tk].
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
 
-    Key j is seen by the query positions [j, subtree_end[j]): mark the ranges
-    with +1 / -1 and a running sum, O(Tk), no T x T mask.
-    """
+
+@triton.jit
+def queries_seeing_kernel(
+    FLAG, END, SEES, stride_eb, H, Tq, Tk, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """One (batch row, head): SEES[i] = 1 where query i sees a flagged key. Key j is seen by the
+    positions [j, subtree_end[j]), so position i sees one iff the running max over j <= i of
+    ``subtree_end[j]`` on flagged keys passes i: one scan, no T x T mask."""
+    pid = tl.program_id(0).to(tl.int64)  # b * H + h
+    END += (pid // H) * stride_eb
+    q_offset = Tk - Tq
+    reach_so_far = 0
+    for t0 in range(0, Tk, BLOCK_T):
+        offs = t0 + tl.arange(0, BLOCK_T)
+        in_range = offs < Tk
+        flag = tl.load(FLAG + pid * Tk + offs, mask=in_range, other=0)
+        end = tl.load(END + offs, mask=in_range, other=0)
+        reach = tl.associative_scan(tl.where(flag != 0, end, 0), 0, _max_combine)
+        reach = tl.maximum(reach, reach_so_far)
+        reach_so_far = tl.max(reach, 0)
+        tl.store(SEES + pid * Tq + offs - q_offset, (reach > offs).to(tl.int8), mask=in_range & (offs >= q_offset))
+
+
+def _queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> torch.Tensor:
+    """[B, H, Tq] int8: 1 for the queries that see at least one key flagged in ``keys`` [B, H, Tk] int8."""
     B, H, Tk = keys.shape
-    flag = keys.to(torch.int32)
-    marks = torch.zeros(B, H, Tk + 1, dtype=torch.int32, device=keys.device)
-    marks[..., :Tk] += flag
-    end = subtree_end.long()[:, None, :].expand(B, H, Tk)
-    marks.scatter_add_(2, end, -flag)
-    return (marks.cumsum(2)[..., Tk - Tq : Tk] > 0).to(torch.int8)
+    sees = torch.empty(B, H, Tq, dtype=torch.int8, device=keys.device)
+    queries_seeing_kernel[(B * H,)](
+        keys, subtree_end, sees, _batch_strides(subtree_end, 0)[0], H, Tq, Tk, BLOCK_T=16 if INTERPRET else 1024,
+    )  # fmt: skip
+    return sees
 
 
 def _backward(do, q, k, v, o, lse, schedule, sm_scale):
@@ -689,7 +718,7 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
         q, k, v, do, lse, delta, dk, dv, end, order,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        _batch_strides(end, 0)[0], heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
+        _batch_strides(end, 0)[0], heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk, _size_class(Tq),
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
@@ -708,7 +737,7 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
         q, k, v, do, lse, delta, dq, end, lists.count, lists.idx,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk, _size_class(Tq),
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip

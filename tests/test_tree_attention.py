@@ -297,6 +297,34 @@ def test_block_lists_are_the_live_key_blocks(Tq, BM, BN):
     assert schedule.block_lists(BM, BN).rows() == expected
 
 
+@pytest.mark.parametrize("Tq", [70, 33, 1])
+def test_queries_seeing_flagged_keys(Tq):
+    """The isolation's scan marks exactly the queries whose mask row holds a flagged key, per batch row
+    and head, for a tree per row and for one tree shared by the batch."""
+    from dta_fast.attention import _queries_seeing
+
+    rng = np.random.default_rng(Tq)
+    Tk, H = 70, 3
+    ends = torch.stack([subtree_end_from_depths(random_depths(Tk, rng)) for _ in range(2)])
+    flags = torch.from_numpy(rng.random((2, H, Tk)) < 0.04).to(torch.int8)
+    for end in (ends, ends[:1]):
+        mask = dta_fast_mask(end, Tq).expand(2, Tq, Tk)  # [B, Tq, Tk]
+        expected = (mask[:, None] & flags[:, :, None, :].bool()).any(-1).to(torch.int8)
+        got = _queries_seeing(flags.to(DEVICE), end.to(torch.int32).to(DEVICE), Tq)
+        assert torch.equal(got.cpu(), expected)
+
+
+def test_autotune_bucket_by_query_count():
+    """Tuning is kept per bucket of query counts: a decode step does not pick the training chunk's warps."""
+    from dta_fast import attention
+
+    for kernel in (attention.tree_attention_fwd_kernel, attention.tree_attention_bwd_dkdv_kernel,
+                   attention.tree_attention_bwd_dq_kernel):  # fmt: skip
+        assert "SIZE_CLASS" in kernel.keys
+    _size_class = attention._size_class
+    assert [_size_class(n) for n in (1, 63, 64, 1023, 1024, 16383, 16384, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_gpu_prebuilt_schedule_path_never_syncs():
