@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ class _Forest:
     depth: np.ndarray  # [T] position_ids: the number of ancestors
     parent: np.ndarray  # [T] -1 at a root
     run_start: np.ndarray  # [T] first token of the parent-child chain ending at i
+    one_past: np.ndarray  # [T] i + 1
 
     @classmethod
     def of(cls, tree: PrefixTree) -> "_Forest":
@@ -67,6 +68,7 @@ class _Forest:
             tree.position_ids.cpu().numpy().astype(np.int64, copy=False),
             parent,
             run_start,
+            index + 1,
         )
 
     @property
@@ -157,15 +159,23 @@ def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, 
     forest = tree if isinstance(tree, _Forest) else _Forest.of(tree)
     facts = _chunk_bounds(forest, size, recompute)  # start, stop, max_end, held, saved, steps
     start, stop = facts["start"], facts["stop"]
-    pieces = _prefix_pieces(forest, start, stop) if with_prefix else (None,) * 4
-    return ChunkPlan(
+    plan = ChunkPlan(
         size=size,
         recompute=recompute,
         prefix_tokens=forest.depth[start],
         keeps_graph=(facts["max_end"] <= stop) | (not recompute),
         **facts,
-        **dict(zip(("piece_ptr", "piece_owner", "piece_lo", "piece_hi"), pieces)),
+        **dict.fromkeys(("piece_ptr", "piece_owner", "piece_lo", "piece_hi")),
     )
+    return _with_prefix(forest, plan) if with_prefix else plan
+
+
+def _with_prefix(forest: _Forest, plan: ChunkPlan) -> ChunkPlan:
+    """``plan`` with its prefix pieces (the engine needs them; the memory estimate does not)."""
+    if plan.piece_ptr is not None:
+        return plan
+    pieces = _prefix_pieces(forest, plan.start, plan.stop)
+    return replace(plan, **dict(zip(("piece_ptr", "piece_owner", "piece_lo", "piece_hi"), pieces)))
 
 
 _plan = plan_chunks  # benchmarks/tune_attention.py imports it under this name
@@ -174,7 +184,7 @@ _plan = plan_chunks  # benchmarks/tune_attention.py imports it under this name
 def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
     """The chunk bounds, the open-stack facts and the steps (ChunkPlan's fields of those names): one
     pass, one short loop per chunk."""
-    end, depth, T = forest.end, forest.depth, forest.num_tokens
+    end, depth, T, one_past = forest.end, forest.depth, forest.num_tokens, forest.one_past
     starts, stops, max_ends, helds, saveds, steps = [], [], [], [], [], []
     stack: list[int] = []  # open chunks
     held = saved = a = 0
@@ -183,13 +193,12 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
             done = stack.pop()
             held, saved = held - (stops[done] - starts[done]), saved - int(depth[starts[done]])
             steps.append(Step(done, forward=False))
+        # the chunk under holds a token whose subtree ends at ``limit``; a <= i < limit lies in that
+        # subtree, so end[i] <= limit: the chunk may run to limit, and no further
         limit = max_ends[stack[-1]] if stack else T
-        window = end[a : a + size]
-        # end[a] <= limit: the chunk under holds a's parent, whose subtree contains a's
-        first_over = int((window > limit).argmax())
-        n = first_over if window[first_over] > limit else window.size
+        n = min(size, limit - a)
         if recompute and a + n < T:
-            n = _recompute_friendly_length(end, a, n)
+            n = _recompute_friendly_length(end, one_past, a, n)
         b = a + n
         c = len(starts)
         starts.append(a), stops.append(b), max_ends.append(int(end[a:b].max()))
@@ -203,7 +212,7 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
     return {name: np.array(values, dtype=np.int64) for name, values in arrays.items()} | dict(steps=steps)
 
 
-def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
+def _recompute_friendly_length(end: np.ndarray, one_past: np.ndarray, a: int, n: int) -> int:
     """Length, at most ``n``, of a chunk starting at ``a`` in recompute mode.
 
     Back to the last point where the chunk would close at once (all its
@@ -214,13 +223,14 @@ def _recompute_friendly_length(end: np.ndarray, a: int, n: int) -> int:
     """
     ends = end[a : a + n]
     # [a, a + k) closes at once when no subtree in it ends past a + k
-    closes = np.maximum.accumulate(ends) <= np.arange(a + 1, a + n + 1)
+    closes = np.maximum.accumulate(ends) <= one_past[a : a + n]
     last = n - 1 - int(closes[::-1].argmax())
     close = last + 1 if closes[last] else 0
     if 2 * close >= n:
         return close
     inside = ends <= a + n
-    run = int(inside.argmax()) if inside.any() else n  # leading tokens whose subtrees run past the chunk
+    run = int(inside.argmax())
+    run = run if inside[run] else n  # leading tokens whose subtrees run past the chunk
     if run == 0:
         return close or n
     # end the long-lived part after its deepest branch point: a token whose subtree ends before its
@@ -375,25 +385,38 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
     return MemoryModel.of(model).step_bytes(plan_chunks(tree, size, recompute))
 
 
-def _largest_fitting_size(
+# Below this many tokens a budget that the first sizes tried miss is checked against every size.
+EXHAUSTIVE_SEARCH_TOKENS = 1024
+
+
+def _largest_fitting_plan(
     memory: MemoryModel, forest: _Forest, budget: int, recompute: bool, tolerance: float = 0.0
-) -> int:
-    """Largest chunk size whose estimate fits ``budget``, or one within ``tolerance`` (relative) of it
-    where the next size up does not fit; ValueError when none fits.
+) -> ChunkPlan:
+    """The plan (without prefix pieces) of the largest chunk size whose estimate fits ``budget``, or of
+    one within ``tolerance`` (relative) of it where the next size up does not fit; ValueError when none
+    fits.
 
     Every plan holds a deepest token's whole path open at some moment, which
     bounds the estimate from below and, with one chunk's worth of tokens on
     top, gives a first guess. From there the sizes double or halve until they
-    bracket the budget; interpolation on the estimate (exact where it is
-    linear in the size) or, once it stalls, bisection finds the largest that
-    fits: a few to ~15 plans, each a few milliseconds.
+    bracket the budget. Then each step guesses where the estimate meets the
+    budget: along its own slope where two fitting sizes have the same chunks
+    (there it grows linearly with the chunks the size bounds), along the
+    bracket's chord, or, once that stalls on a step of the estimate (a chunk
+    end flipping), by bisection after trying the size just above the largest
+    fit. 4 to 7 plans on the forests of docs/benchmarks.md, up to ~17 where
+    the estimate is flat up to a step. The estimate grows with the size but
+    for small steps down (fewer chunks save fewer prefix copies), so "largest"
+    is local: the next size up does not fit.
     """
     T = forest.num_tokens
-    memo: dict[int, int] = {}
+    memo: dict[int, int] = {}  # size -> estimate
+    plans: dict[int, ChunkPlan] = {}
 
     def fits(size):
         if size not in memo:
-            memo[size] = memory.step_bytes(plan_chunks(forest, size, recompute, with_prefix=False))
+            plans[size] = plan_chunks(forest, size, recompute, with_prefix=False)
+            memo[size] = memory.step_bytes(plans[size])
         return memo[size] <= budget
 
     path = int(forest.depth.max()) + 1 if T else 0  # some moment holds a deepest token and its ancestors
@@ -402,14 +425,9 @@ def _largest_fitting_size(
     lo = hi = None  # fits(lo); hi does not fit
     if memory.floor_bytes(path, recompute) <= budget:  # else nothing fits: no plan needed to say so
         per_token = memory.kv + memory.activation + (memory.prefix if recompute else 0)
-        size = min(T, max(floor, (budget - open_path - memory.prefix * path) // per_token))
+        first = size = min(T, max(floor, (budget - open_path - memory.prefix * path) // per_token))
         if fits(size):
             lo = size
-            while lo < T and hi is None:
-                if fits(min(2 * lo, T)):
-                    lo = min(2 * lo, T)
-                else:
-                    hi = min(2 * lo, T)
         else:
             hi = size
             while lo is None and size > floor:
@@ -418,6 +436,21 @@ def _largest_fitting_size(
                     lo = size
                 else:
                     hi = size
+            # not found below: the estimate is not monotone in the size (fewer chunks, fewer saved
+            # prefix copies), so larger sizes may still fit: all of them on a small forest, else a
+            # ladder of ratio 2^(1/4)
+            if lo is None:
+                ladder = range(first + 1, T + 1) if T <= EXHAUSTIVE_SEARCH_TOKENS else sorted(
+                    {min(T, int(first * 2 ** (k / 4))) for k in range(1, 4 * T.bit_length() + 1)} - {first}
+                )
+                lo = next((size for size in ladder if fits(size)), None)
+        if lo is not None and lo > first:
+            hi = None  # found above the first guess: bracket again from there
+        while lo is not None and lo < T and hi is None:
+            if fits(min(2 * lo, T)):
+                lo = min(2 * lo, T)
+            else:
+                hi = min(2 * lo, T)
     if lo is None:
         best = min(memo.values(), default=memory.floor_bytes(path, recompute))
         raise ValueError(
@@ -426,27 +459,45 @@ def _largest_fitting_size(
             f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
-    interpolate = True
+    fitted = [lo]  # sizes that fit, in the order found (increasing)
+    interpolate, lo_moved = True, True
     while hi is not None and hi - lo > max(1, int(tolerance * lo)):  # fits(lo) and not fits(hi)
-        if interpolate:
+        below = fitted[-2] if len(fitted) > 1 else None
+        if lo_moved and below is not None and plans[below].num_chunks == plans[lo].num_chunks and memo[lo] > memo[below]:
+            # two fitting sizes with the same chunk count: the estimate's own slope here, where it
+            # grows with the chunks that the size bounds
+            slope = (memo[lo] - memo[below]) / (lo - below)
+        elif interpolate:
             slope = (memo[hi] - memo[lo]) / (hi - lo)
-            guess = min(hi - 1, max(lo + 1, lo + int((budget - memo[lo]) // slope)))
         else:
-            guess = (lo + hi) // 2
+            slope = None
+        guess = (lo + hi) // 2 if slope is None else lo + int((budget - memo[lo]) // slope)
+        guess = min(hi - 1, max(lo + 1, guess))
         width = hi - lo
-        if fits(guess):
+        lo_moved = fits(guess)
+        if lo_moved:
             lo = guess
+            fitted.append(lo)
         else:
             hi = guess
-        # the estimate is a step function here (chunk ends set by the tree, not the size): bisect
-        interpolate = interpolate and 2 * (hi - lo) <= width
-    return lo
+        if interpolate and 2 * (hi - lo) > width:
+            # the estimate is a step function here (chunk ends set by the tree, not the size): bisect,
+            # after trying whether the step is right after lo, as it often is where a chunk's end flips
+            interpolate = False
+            if hi - lo > max(1, int(tolerance * lo)):
+                lo_moved = fits(lo + 1)
+                if lo_moved:
+                    lo = lo + 1
+                    fitted.append(lo)
+                else:
+                    hi = lo + 1
+    return plans[lo]
 
 
 def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True) -> int:
     """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (a ValueError if none does)."""
     budget = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
-    return _largest_fitting_size(MemoryModel.of(model), _Forest.of(tree), budget, bool(recompute))
+    return _largest_fitting_plan(MemoryModel.of(model), _Forest.of(tree), budget, bool(recompute)).size
 
 
 # A chunk costs a fixed overhead (kernel launches, prefix gathers, logits windows, Python) worth about
@@ -470,18 +521,18 @@ def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recomput
     plans, errors = [], []
     for mode in modes:
         try:
-            # a size within 2% of the largest runs as fast: spare the last bisection steps
-            size = _largest_fitting_size(memory, forest, budget, mode, tolerance=1 / 64)
-            plans.append(plan_chunks(forest, size, mode))
+            # a size within 3% of the largest runs as fast: spare the last bisection steps
+            plans.append(_largest_fitting_plan(memory, forest, budget, mode, tolerance=1 / 32))
         except ValueError as error:
             errors.append(error)
     if plans:
-        return min(plans, key=_step_cost)
+        return _with_prefix(forest, min(plans, key=_step_cost))
     if strict:
         raise errors[-1]
     T = forest.num_tokens
     sizes = {T} | {2**i for i in range(8, T.bit_length())}
-    return min((plan_chunks(forest, size, True) for size in sorted(sizes)), key=memory.step_bytes)
+    smallest = min((plan_chunks(forest, size, True, with_prefix=False) for size in sorted(sizes)), key=memory.step_bytes)
+    return _with_prefix(forest, smallest)
 
 
 # Share of the free device memory the automatic budget gives the estimate: the estimate leaves out

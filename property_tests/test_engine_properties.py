@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,3 +91,28 @@ def test_memory_floor_bounds_every_plan(sequences, recompute, seed):
     floor = memory.floor_bytes(int(tree.lengths.max()), recompute)
     estimates = [memory.step_bytes(plan_chunks(tree, size, recompute)) for size in range(1, tree.num_tokens + 1)]
     assert floor <= min(estimates)
+
+
+@given(
+    sequences=rollout_sets(max_sequences=12, max_len=30),
+    recompute=st.booleans(),
+    seed=seeds(),
+    pick=st.floats(0, 1),
+    nudge=st.integers(-1, 1),
+)
+def test_budget_search_finds_the_largest_fitting_size(sequences, recompute, seed, pick, nudge):
+    """chunk_tokens_for_budget against every chunk size's estimate, for budgets at and around the
+    estimates themselves: a size that fits where the next size up does not (the largest fitting size
+    where the estimate grows with the size, which it does but for small steps), or a ValueError only
+    when no size fits."""
+    tree = PrefixTree.from_sequences(sequences)
+    model = _model(seed % 3)
+    estimates = [dta_fast.estimated_step_bytes(model, tree, size, recompute) for size in range(1, tree.num_tokens + 1)]
+    budget = sorted(estimates)[round(pick * (len(estimates) - 1))] + nudge
+    fitting = [size for size, estimate in enumerate(estimates, 1) if estimate <= budget]
+    if not fitting:
+        with pytest.raises(ValueError, match="too small"):
+            dta_fast.chunk_tokens_for_budget(model, tree, budget, recompute)
+    else:
+        chosen = dta_fast.chunk_tokens_for_budget(model, tree, budget, recompute)
+        assert chosen in fitting and (chosen == tree.num_tokens or chosen + 1 not in fitting)

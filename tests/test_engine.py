@@ -398,7 +398,7 @@ def test_cpu_default_is_one_chunk(monkeypatch):
         original(self, model, tree, plan, *args)
 
     monkeypatch.setattr(engine._Engine, "__init__", spy)
-    monkeypatch.setattr(engine, "_largest_fitting_size", None)  # any budget search would fail
+    monkeypatch.setattr(engine, "_largest_fitting_plan", None)  # any budget search would fail
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
     assert [p.chunks for p in chosen] == [[(0, tree.num_tokens)]]
 
