@@ -210,9 +210,9 @@ SCHEDULE_CHUNK = 16  # key blocks a schedule program looks at per step
 def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
     """[B * Nk] int32: query blocks each key block's dK/dV program walks."""
     B, Tk = subtree_end.shape
-    Nk = triton.cdiv(Tk, BLOCK_N)
+    Nk = _cdiv(Tk, BLOCK_N)
     work = torch.empty(B * Nk, dtype=torch.int32, device=subtree_end.device)
-    key_block_work_kernel[(triton.cdiv(Nk, SCHEDULE_CHUNK), B)](
+    key_block_work_kernel[(_cdiv(Nk, SCHEDULE_CHUNK), B)](
         subtree_end, work, subtree_end.stride(0), Tq, Tk, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
     )  # fmt: skip
     return work
@@ -220,7 +220,7 @@ def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
 
 def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
     B, Tk = subtree_end.shape
-    Mq, Nk = triton.cdiv(Tq, BLOCK_M), triton.cdiv(Tk, BLOCK_N)
+    Mq, Nk = _cdiv(Tq, BLOCK_M), _cdiv(Tk, BLOCK_N)
     count = torch.empty(B * Mq, dtype=torch.int32, device=subtree_end.device)
     idx = torch.empty(B * Mq * Nk, dtype=torch.int32, device=subtree_end.device)
     block_lists_kernel[(Mq, B)](
@@ -589,9 +589,15 @@ def _blocks(kernel: str, head_dim: int):
     return block_table(head_dim)[kernel]
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host: ``triton.cdiv`` is a constexpr function whose host call costs ~3 us, and
+    a tree attention call makes a dozen of them."""
+    return -(-a // b)
+
+
 def _block_d(head_dim: int) -> int:
     """Head-dim tile: a power of two, and at least 16 (the smallest tl.dot reduction)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def _batch_strides(end, num_m_blocks):
@@ -600,7 +606,7 @@ def _batch_strides(end, num_m_blocks):
 
 
 def _strides(x):
-    return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride()[:3]
 
 
 def _forward(q, k, v, schedule, sm_scale):
@@ -611,7 +617,7 @@ def _forward(q, k, v, schedule, sm_scale):
     end = schedule.subtree_end
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
-    num_m_blocks = triton.cdiv(Tq, BM)
+    num_m_blocks = _cdiv(Tq, BM)
     # p = 0 times a non-finite value row is NaN: the kernel sees such rows zeroed, and the queries that
     # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
     v_finite, v_bad = _finite_rows(v)
@@ -634,7 +640,7 @@ def _finite_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x_finite = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
     bad = torch.empty(B, H, T, device=x.device, dtype=torch.int8)
     BLOCK_T = 16 if INTERPRET else 64
-    finite_rows_kernel[(triton.cdiv(T, BLOCK_T), B * H)](
+    finite_rows_kernel[(_cdiv(T, BLOCK_T), B * H)](
         x, x_finite, bad, *_strides(x), H, T, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
     return x_finite, bad
@@ -699,7 +705,7 @@ def _backward_preprocess(o, do, lse):
     lse_bwd = torch.empty_like(delta)
     do_finite = torch.empty_like(do)
     BLOCK_T = 16 if INTERPRET else 128
-    tree_attention_bwd_preprocess_kernel[(triton.cdiv(Tq, BLOCK_T), B * Hq)](
+    tree_attention_bwd_preprocess_kernel[(_cdiv(Tq, BLOCK_T), B * Hq)](
         o, do, lse, delta, lse_bwd, do_finite, *_strides(o), *_strides(do), *_strides(do_finite), Hq, Tq,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
@@ -731,7 +737,7 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     BM, BN = _blocks("dq", D)
     end = schedule.subtree_end
     lists = schedule.block_lists(BM, BN)
-    num_m_blocks = triton.cdiv(Tq, BM)
+    num_m_blocks = _cdiv(Tq, BM)
     dq = torch.empty_like(q)
     tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
         q, k, v, do, lse, delta, dq, end, lists.count, lists.idx,
@@ -841,5 +847,8 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"scale must be finite, got {scale}")
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)
+    else:  # nothing to differentiate (a rollout step): spare the autograd Function's host cost
+        o, lse, _ = _forward(q, k, v, schedule, sm_scale)
     return (o, lse) if return_lse else o

@@ -131,6 +131,19 @@ def test_schedule_reuse_matches_fresh():
     torch.testing.assert_close(tree_attention(q, k, v, schedule=schedule), tree_attention(q, k, v, end), rtol=0, atol=0)
 
 
+def test_forward_without_graph_matches_autograd_path():
+    """With nothing to differentiate the forward skips the autograd Function: same output and LSE, bitwise."""
+    end = subtree_end_from_depths(random_depths(40, np.random.default_rng(5))).to(DEVICE)
+    q, k, v = make_qkv(1, 4, 2, 30, 40, 16, torch.float32)
+    schedule = build_schedule(end, 30)
+    with torch.no_grad():
+        plain = tree_attention(q, k, v, schedule=schedule, return_lse=True)
+    graph = tree_attention(*(x.clone().requires_grad_(True) for x in (q, k, v)), schedule=schedule, return_lse=True)
+    assert not plain[0].requires_grad and graph[0].requires_grad
+    for a, b in zip(plain, graph):
+        assert torch.equal(a, b.detach())
+
+
 @pytest.mark.parametrize("Tq", [70, 23])
 def test_key_block_order_is_longest_first(Tq):
     """dK/dV programs launch every (batch row, key block) once, most query blocks to walk first."""
