@@ -495,7 +495,11 @@ def _largest_fitting_plan(
 
 
 def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True) -> int:
-    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (a ValueError if none does)."""
+    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (a ValueError if none does).
+
+    The estimate grows with the size but for small steps down, so "largest" is local: the size returned
+    fits and the next size up does not (docs/chunked_execution.md, "Memory budget and the automatic
+    default")."""
     budget = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
     return _largest_fitting_plan(MemoryModel.of(model), _Forest.of(tree), budget, bool(recompute)).size
 
