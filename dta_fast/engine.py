@@ -452,10 +452,13 @@ def _largest_fitting_plan(
             else:
                 hi = min(2 * lo, T)
     if lo is None:
-        best = min(memo.values(), default=memory.floor_bytes(path, recompute))
+        if memo:
+            smallest = f"the smallest estimate among the {len(memo)} chunk sizes tried is {min(memo.values()) / 2**30:.3f}"
+        else:
+            smallest = f"every chunk size's estimate is at least {memory.floor_bytes(path, recompute) / 2**30:.3f}"
         raise ValueError(
-            f"memory budget of {budget / 2**30:.3f} GiB is too small: the smallest estimate over chunk sizes is "
-            f"{best / 2**30:.3f} GiB (the open chunks' K/V, the logits workspace and "
+            f"memory budget of {budget / 2**30:.3f} GiB is too small: {smallest} GiB (the open chunks' K/V, the "
+            "logits workspace and "
             f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
