@@ -147,6 +147,9 @@ class ChunkPlan:
         ]
 
 
+_PIECE_FIELDS = ("piece_ptr", "piece_owner", "piece_lo", "piece_hi")  # ChunkPlan's prefix pieces
+
+
 def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, with_prefix: bool = True) -> ChunkPlan:
     """Chunks of at most ``size`` tokens and their facts (docs/chunked_execution.md, "Where chunks stop").
 
@@ -165,7 +168,7 @@ def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, 
         prefix_tokens=forest.depth[start],
         keeps_graph=(facts["max_end"] <= stop) | (not recompute),
         **facts,
-        **dict.fromkeys(("piece_ptr", "piece_owner", "piece_lo", "piece_hi")),
+        **dict.fromkeys(_PIECE_FIELDS),
     )
     return _with_prefix(forest, plan) if with_prefix else plan
 
@@ -175,7 +178,7 @@ def _with_prefix(forest: _Forest, plan: ChunkPlan) -> ChunkPlan:
     if plan.piece_ptr is not None:
         return plan
     pieces = _prefix_pieces(forest, plan.start, plan.stop)
-    return replace(plan, **dict(zip(("piece_ptr", "piece_owner", "piece_lo", "piece_hi"), pieces)))
+    return replace(plan, **dict(zip(_PIECE_FIELDS, pieces)))
 
 
 _plan = plan_chunks  # benchmarks/tune_attention.py imports it under this name
@@ -279,7 +282,6 @@ def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):
 
 
 LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
-
 
 
 @dataclass(frozen=True)
