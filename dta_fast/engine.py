@@ -97,9 +97,9 @@ class PrefixPiece:
 class ChunkPlan:
     """The chunking of one forest and every per-chunk fact the engine and the estimate read.
 
-    Arrays are indexed by chunk, in forward order. ``held`` and ``saved`` are
-    taken right after the chunk's forward, when the open chunks are the
-    chunk and everything under it; that is also the state when it closes.
+    Arrays are indexed by chunk, in forward order. ``held``, ``saved`` and
+    ``graded`` are taken when the chunk closes; the open chunks are then the
+    chunk and everything under it, as right after its forward.
     """
 
     size: int  # the chunk-size limit it was built with
@@ -110,6 +110,8 @@ class ChunkPlan:
     prefix_tokens: np.ndarray  # [C] cached prefix length: the ancestors of its first token
     held: np.ndarray  # [C] tokens of the open chunks, its own included
     saved: np.ndarray  # [C] prefix tokens of the open chunks, its own included
+    graded: np.ndarray  # [C] tokens of the open chunks holding gradient accumulators (a descendant has closed)
+    first_close: int  # the chunk whose backward runs first: no parameter gradient exists before it
     keeps_graph: np.ndarray  # [C] bool: its forward keeps the autograd graph until it closes
     steps: list[Step]  # forwards and closes, in order
     # chunk c's prefix pieces are piece_*[piece_ptr[c] : piece_ptr[c + 1]] (None: planned without)
@@ -160,7 +162,7 @@ def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, 
     (:func:`_recompute_friendly_length`).
     """
     forest = tree if isinstance(tree, _Forest) else _Forest.of(tree)
-    facts = _chunk_bounds(forest, size, recompute)  # start, stop, max_end, held, saved, steps
+    facts = _chunk_bounds(forest, size, recompute)  # start, stop, max_end, held, saved, graded, steps, ...
     start, stop = facts["start"], facts["stop"]
     plan = ChunkPlan(
         size=size,
@@ -188,13 +190,17 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
     """The chunk bounds, the open-stack facts and the steps (ChunkPlan's fields of those names): one
     pass, one short loop per chunk."""
     end, depth, T, one_past = forest.end, forest.depth, forest.num_tokens, forest.one_past
-    starts, stops, max_ends, helds, saveds, steps = [], [], [], [], [], []
+    starts, stops, max_ends, helds, saveds, gradeds, steps = [], [], [], [], [], [], []
     stack: list[int] = []  # open chunks
-    held = saved = a = 0
+    held = saved = graded = a = 0
+    first_close = None
     while a < T:
         while stack and max_ends[stack[-1]] <= a:
             done = stack.pop()
             held, saved = held - (stops[done] - starts[done]), saved - int(depth[starts[done]])
+            # its backward sent dK/dV to every open chunk: they all hold ancestors of its first token
+            graded = held
+            first_close = done if first_close is None else first_close
             steps.append(Step(done, forward=False))
         # the chunk under holds a token whose subtree ends at ``limit``; a <= i < limit lies in that
         # subtree, so end[i] <= limit: the chunk may run to limit, and no further
@@ -204,15 +210,18 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
             n = _recompute_friendly_length(end, one_past, a, n)
         b = a + n
         c = len(starts)
-        starts.append(a), stops.append(b), max_ends.append(int(end[a:b].max()))
+        max_end = int(end[a:b].max())
+        starts.append(a), stops.append(b), max_ends.append(max_end)
         held, saved = held + n, saved + int(depth[a])
-        helds.append(held), saveds.append(saved)
+        # when it closes, its descendants (if any) have closed and graded it and everything under it
+        helds.append(held), saveds.append(saved), gradeds.append(held if max_end > b else graded)
         stack.append(c)
         steps.append(Step(c, forward=True))
         a = b
     steps.extend(Step(done, forward=False) for done in reversed(stack))
-    arrays = dict(start=starts, stop=stops, max_end=max_ends, held=helds, saved=saveds)
-    return {name: np.array(values, dtype=np.int64) for name, values in arrays.items()} | dict(steps=steps)
+    arrays = dict(start=starts, stop=stops, max_end=max_ends, held=helds, saved=saveds, graded=gradeds)
+    facts = {name: np.array(values, dtype=np.int64) for name, values in arrays.items()}
+    return facts | dict(steps=steps, first_close=first_close if first_close is not None else (stack or [0])[-1])
 
 
 def _recompute_friendly_length(end: np.ndarray, one_past: np.ndarray, a: int, n: int) -> int:
@@ -281,50 +290,80 @@ def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):
 # ----------------------------------------------------------- memory estimate
 
 
-LOGITS_WORKSPACE_BYTES = 3 * LOGITS_CHUNK_ELEMENTS * 4  # a float32 window of logits, its softmax and gradient
-
-
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes per token of what a step keeps alive, from the model's shape, and the fixed transients."""
+    """What a step keeps alive beyond the weights and their gradients: bytes per token from the model's
+    shape, and the vocabulary head's transients (docs/chunked_execution.md, "The memory estimate")."""
 
     activation: int  # what autograd saves per chunk token, all layers
-    kv: int  # an open chunk token's K/V with float32 gradient accumulators
-    prefix: int  # a graph's copies of one prefix token's K/V (gathered, concatenated)
-    workspace: int = LOGITS_WORKSPACE_BYTES  # the logits window, the head's gradient
+    kv: int  # one token's K/V, all layers
+    kv_grad: int  # its gradient accumulators (at least float32)
+    head: int  # the head's backward: a logits window and weight-sized gradients
+    closing: int  # the end of a chunk's backward: the embedding's weight-sized gradients
+    new_grads: int = 0  # parameter gradients the step creates: none exists yet when its first backward starts
 
     @classmethod
     def of(cls, model) -> "MemoryModel":
-        # the vocabulary head's backward holds a float32 and a bf16 copy of its weight-sized gradient
-        # (a memory snapshot of the 1.7B shape's step on an H100 shows both at the peak)
-        head = adapt(model).head.weight
-        workspace = LOGITS_WORKSPACE_BYTES + head.numel() * (4 + head.element_size())
-        return cls(activation_bytes_per_token(model), kv_bytes_per_token(model), _prefix_bytes_per_token(model), workspace)
+        shape = adapt(model).shape
+        weight = adapt(model).head.weight
+        vocab, w = weight.shape[0], weight.element_size()
+        W = weight.numel() * w
+        z = torch.finfo(logprob_dtype(weight.dtype)).bits // 8
+        window = max(1, LOGITS_CHUNK_ELEMENTS // vocab) * vocab  # logits of one window (logprobs.py)
+        # a window's backward: float32 log-probabilities and gradient and the gradient's cast (2z + w per
+        # logit) while the windows before it wait, summed, to be added to the weight's gradient (W); then
+        # the cast's weight-sized product beside that sum (z + w per logit, 2 W)
+        cast = w if w != z else 0
+        head = max((2 * z + cast) * window + W, (z + w) * window + 2 * W)
+        kv, size = shape.layers * 2 * shape.kv_heads * shape.head_dim, shape.bytes_per_element
+        new_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+        return cls(
+            # 2% over the closed form: autograd saved 0.2-1.6% more at six measured shapes
+            activation=activation_bytes_per_token(model) * 51 // 50,
+            kv=kv * size,
+            kv_grad=kv * max(size, 4),
+            head=head,
+            closing=2 * W,
+            new_grads=new_grads,
+        )
 
     def step_bytes(self, plan: ChunkPlan) -> int:
-        """The largest, over chunks, of what is alive while the chunk runs or closes."""
+        """The largest, over chunks, of what is alive when the chunk's backward starts (the head's) or ends.
+
+        Its graph holds its K/V copies: the concatenation of prefix and own K/V and the copy of its
+        value rows that isolation makes (P + L tokens). With recompute, the graph is the running
+        chunk's, and a chunk that stays open holds its own K/V twice (from its first forward, and in
+        the recomputed graph); without, every open chunk keeps its graph.
+        """
         if plan.num_chunks == 0:
-            return self.workspace
-        if plan.recompute:  # the running chunk's activations, every open chunk's K/V
-            alive = self.kv * plan.held + self.prefix * plan.prefix_tokens + self.activation * plan.lengths
-        else:  # every open chunk's graph
-            alive = (self.kv + self.activation) * plan.held + self.prefix * plan.saved
-        return self.workspace + int(alive.max())
+            return self.head
+        L, P = plan.lengths, plan.prefix_tokens
+        if plan.recompute:
+            alive = self.activation * L + self.kv * (plan.held - L * plan.keeps_graph + P + L)
+        else:
+            alive = self.activation * plan.held + self.kv * (plan.held + plan.saved)
+        alive = alive + self.kv_grad * plan.graded + self.head
+        alive[plan.first_close] -= self.new_grads
+        ending = (self.kv + self.kv_grad) * plan.held + self.closing
+        return int(max(alive.max(), ending.max()))
 
     def floor_bytes(self, path: int, recompute: bool) -> int:
         """A lower bound on :meth:`step_bytes` over every chunk size, for a forest whose longest path
         holds ``path`` tokens (docs/chunked_execution.md, "Choosing the chunk size").
 
-        While the chunk (L tokens) of a deepest token runs, the P ancestors of its first token are in
-        open chunks and P >= path - L, so ``held`` >= P + L >= path; recompute mode's terms are then
-        at least (kv + prefix) P + (kv + activation) L, linear in L in [1, path].
+        When the chunk (L tokens) of a deepest token closes, the P ancestors of its first token are in
+        open chunks and P >= path - L, so ``held`` >= P + L >= path. With recompute what is alive is
+        then at least activation L + kv (2 path - L), linear in L in [1, path]; without, (activation +
+        kv) path. Less the gradients not yet created, if it closes first; and the end of its
+        backward holds (kv + kv_grad) path.
         """
         if path == 0:
-            return self.workspace
-        if not recompute:
-            return self.workspace + (self.kv + self.activation) * path
-        one = (self.kv + self.prefix) * (path - 1) + self.kv + self.activation
-        return self.workspace + min(one, (self.kv + self.activation) * path)
+            return self.head
+        if recompute:
+            start = min(self.activation + self.kv * (2 * path - 1), (self.activation + self.kv) * path)
+        else:
+            start = (self.activation + self.kv) * path
+        return max(start + self.head - self.new_grads, (self.kv + self.kv_grad) * path + self.closing)
 
 
 def activation_bytes_per_token(model) -> int:
@@ -343,18 +382,6 @@ def activation_bytes_per_token(model) -> int:
     if shape.qk_norm:
         per_layer += (q + kv) * (4 + size)
     return shape.layers * per_layer + 4 * hidden * size
-
-
-def kv_bytes_per_token(model) -> int:
-    """K/V kept per token of an open chunk, with its float32 gradient accumulators."""
-    shape = adapt(model).shape
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * (shape.bytes_per_element + 4)
-
-
-def _prefix_bytes_per_token(model) -> int:
-    """What a chunk's graph saves per prefix token: the gathered K/V and its concatenation with the chunk's."""
-    shape = adapt(model).shape
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.bytes_per_element * 2
 
 
 def _check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> int:
@@ -376,12 +403,14 @@ def _check_bytes(value, name: str, allow_zero: bool = False) -> int:
 def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
     """Estimated activation memory of tree_backward with chunks of ``chunk_tokens``.
 
-    Counts what the step allocates beyond the model's parameters, gradients
-    and optimizer state: the vocabulary projection workspace, the K/V (with
-    float32 gradient accumulators) of every open chunk, and what autograd
-    saves: with ``recompute``, the running chunk's activations and its copies
-    of the prefix K/V; without, those of every open chunk. Taken at the
-    plan's worst moment. benchmarks/bench_training.py measures the real peak.
+    Counts what the step allocates beyond the model's parameters, their
+    gradients and optimizer state: the vocabulary head's backward, the K/V of
+    every open chunk with the gradient accumulators its descendants filled,
+    and what autograd saves: with ``recompute``, the running chunk's
+    activations and K/V copies; without, those of every open chunk. Taken at
+    the plan's worst moment. Gradients still unset (``None``) on the model
+    are counted only from the end of the step's first backward, as the step
+    creates them then. benchmarks/bench_training.py measures the real peak.
     """
     size = _check_chunk_tokens(chunk_tokens)
     return MemoryModel.of(model).step_bytes(plan_chunks(tree, size, recompute))
@@ -422,27 +451,34 @@ def _largest_fitting_plan(
         return memo[size] <= budget
 
     path = int(forest.depth.max()) + 1 if T else 0  # some moment holds a deepest token and its ancestors
-    open_path = memory.workspace + memory.kv * path + (0 if recompute else memory.activation * path)
+    # a first guess: the path open with its K/V (stored and copied) and accumulators, then chunk tokens
+    open_path = memory.head + (2 * memory.kv + memory.kv_grad) * path + (0 if recompute else memory.activation * path)
     floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
     lo = hi = None  # fits(lo); hi does not fit
     if memory.floor_bytes(path, recompute) <= budget:  # else nothing fits: no plan needed to say so
-        per_token = memory.kv + memory.activation + (memory.prefix if recompute else 0)
-        first = size = min(T, max(floor, (budget - open_path - memory.prefix * path) // per_token))
+        per_token = memory.activation + 2 * memory.kv + memory.kv_grad
+        # not below 1024 tokens: plans of small chunks cost the most, and halving finds them
+        first = size = min(T, max(floor, 1024, (budget - open_path) // per_token))
         if fits(size):
             lo = size
         else:
             hi = size
             while lo is None and size > floor:
-                size = max(floor, size // 2)
+                above, size = size, max(floor, size // 2)
                 if fits(size):
                     lo = size
                 else:
                     hi = size
+                    if memo[size] > memo[above]:
+                        # halving raised the estimate: the open chunks' K/V and prefix copies now
+                        # outgrow the chunk's own activations, and planning ever smaller chunks costs
+                        # more (a chunk a token in keep mode took half a second on 10K tokens)
+                        break
             # not found below: the estimate is not monotone in the size (fewer chunks, fewer saved
-            # prefix copies), so larger sizes may still fit: all of them on a small forest, else a
-            # ladder of ratio 2^(1/4)
+            # prefix copies), so other sizes may still fit: all of them on a small forest, else a
+            # ladder of ratio 2^(1/4) above the first guess
             if lo is None:
-                ladder = range(first + 1, T + 1) if T <= EXHAUSTIVE_SEARCH_TOKENS else sorted(
+                ladder = range(1, T + 1) if T <= EXHAUSTIVE_SEARCH_TOKENS else sorted(
                     {min(T, int(first * 2 ** (k / 4))) for k in range(1, 4 * T.bit_length() + 1)} - {first}
                 )
                 lo = next((size for size in ladder if fits(size)), None)
@@ -460,7 +496,7 @@ def _largest_fitting_plan(
             smallest = f"every chunk size's estimate is at least {memory.floor_bytes(path, recompute) / 2**30:.3f}"
         raise ValueError(
             f"memory budget of {budget / 2**30:.3f} GiB is too small: {smallest} GiB (the open chunks' K/V, the "
-            "logits workspace and "
+            "vocabulary head's backward and "
             f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
