@@ -10,7 +10,7 @@ import torch
 import dta_fast
 import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
-from dta_fast.engine import plan_chunks
+from dta_fast.engine import MemoryModel, plan_chunks
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,6 +151,28 @@ def test_memory_budget_chooses_chunks():
     budget = dta_fast.estimated_step_bytes(model, tree, 3)
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=budget)
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+def test_estimate_counts_gradients_from_the_first_backward():
+    """Gradients the step creates (unset before it) are left out of the first close's moment only:
+    the estimate from unset gradients is at most the one with them set, and less by at most their
+    bytes."""
+    tree = PrefixTree.from_sequences(batch())
+    model = tiny_decoder(torch.float64)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    assert MemoryModel.of(model).new_grads == grads
+    unset = {(s, r): dta_fast.estimated_step_bytes(model, tree, s, r) for s in (1, 3, 40) for r in (True, False)}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    assert MemoryModel.of(model).new_grads == 0
+    lower = 0
+    for (size, recompute), estimate in unset.items():
+        with_grads = dta_fast.estimated_step_bytes(model, tree, size, recompute)
+        assert with_grads - grads <= estimate <= with_grads
+        lower += estimate < with_grads
+    assert lower  # one chunk: its close is the first, and its peak
+    model.zero_grad(set_to_none=True)
 
 
 def test_bad_input():
@@ -405,15 +427,18 @@ def test_cpu_default_is_one_chunk(monkeypatch):
 
 def check_plan(tree, size, recompute):
     """Each chunk's prefix pieces are exactly the ancestors of its first token, in open chunks, in
-    packed order; held and saved count the open chunks; steps close last-in first-out."""
+    packed order; held and saved count the open chunks; steps close last-in first-out; graded counts
+    the open chunks whose K/V some closed chunk read as its prefix (their gradient accumulators exist)."""
     parent, end = tree.parent.tolist(), tree.subtree_end.tolist()
     plan = plan_chunks(tree, size, recompute)
     chunks = plan.chunks
-    open_, order = [], []
+    open_, order, graded, closes = [], [], set(), []
     for step in plan.steps:
         if not step.forward:
             assert open_[-1] == step.chunk
-            open_.pop()
+            assert plan.graded[step.chunk] == sum(chunks[o][1] - chunks[o][0] for o in open_ if o in graded)
+            graded |= {piece.owner for piece in plan.prefix(step.chunk)}
+            closes.append(open_.pop())
             continue
         c = step.chunk
         a, b = chunks[c]
@@ -434,6 +459,7 @@ def check_plan(tree, size, recompute):
         assert plan.saved[c] == sum(plan.prefix_tokens[o] for o in open_)
         assert plan.keeps_graph[c] == (not recompute or plan.max_end[c] <= b)
     assert order == list(range(plan.num_chunks)) and not open_
+    assert plan.first_close == closes[0]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
