@@ -580,8 +580,9 @@ def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recomput
     return _with_prefix(forest, smallest)
 
 
-# Share of the free device memory the automatic budget gives the estimate: the estimate leaves out
-# transient buffers (the vocabulary projection's, attention backward's) that run up to ~20% of it.
+# Share of the free device memory the automatic budget gives the estimate: headroom for the caching
+# allocator's fragmentation and for models unlike the measured ones (on those the estimate was
+# 0.986-1.025x of the peak, docs/benchmarks.md).
 AUTO_BUDGET_FRACTION = 0.8
 
 
