@@ -293,7 +293,7 @@ def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):
 @dataclass(frozen=True)
 class MemoryModel:
     """What a step keeps alive beyond the weights and their gradients: bytes per token from the model's
-    shape, and the vocabulary head's transients (docs/chunked_execution.md, "The memory estimate")."""
+    shape, and the vocabulary head's transients (docs/chunked_execution.md, "Memory budget")."""
 
     activation: int  # what autograd saves per chunk token, all layers
     kv: int  # one token's K/V, all layers
