@@ -304,8 +304,8 @@ class MemoryModel:
 
     @classmethod
     def of(cls, model) -> "MemoryModel":
-        shape = adapt(model).shape
-        weight = adapt(model).head.weight
+        adapter = adapt(model)
+        shape, weight = adapter.shape, adapter.head.weight
         vocab, w = weight.shape[0], weight.element_size()
         W = weight.numel() * w
         z = torch.finfo(logprob_dtype(weight.dtype)).bits // 8
