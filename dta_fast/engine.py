@@ -469,10 +469,11 @@ def _largest_fitting_plan(
                     lo = size
                 else:
                     hi = size
-                    if memo[size] > memo[above]:
-                        # halving raised the estimate: the open chunks' K/V and prefix copies now
-                        # outgrow the chunk's own activations, and planning ever smaller chunks costs
-                        # more (a chunk a token in keep mode took half a second on 10K tokens)
+                    if memo[size] > memo[above] and plans[size].num_chunks > 256:
+                        # many chunks and halving raised the estimate (the open chunks' K/V and prefix
+                        # copies outgrow the chunk's own activations): ever smaller chunks cost more to
+                        # plan than they are likely to fit (down to a token a chunk, keep mode took
+                        # half a second on 10K tokens)
                         break
             # not found below: the estimate is not monotone in the size (fewer chunks, fewer saved
             # prefix copies), so other sizes may still fit: all of them on a small forest, else a
