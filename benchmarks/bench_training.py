@@ -375,7 +375,7 @@ def plan_timing(args):
         return min(times) * 1e3, result
 
     rows = [dict(what="forest arrays", ms=best_ms(lambda: _Forest.of(tree))[0])]
-    for size in (4096, 8192, 16384):
+    for size in (1024, 4096, 8192, 16384):
         for recompute in (False, True):
             ms, plan = best_ms(lambda: plan_chunks(tree, size, recompute))
             rows.append(dict(what=f"plan, chunks of {size}, {'recompute' if recompute else 'keep'}", ms=ms,

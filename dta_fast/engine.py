@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,7 +55,6 @@ class _Forest:
     depth: np.ndarray  # [T] position_ids: the number of ancestors
     parent: np.ndarray  # [T] -1 at a root
     run_start: np.ndarray  # [T] first token of the parent-child chain ending at i
-    one_past: np.ndarray  # [T] i + 1
 
     @classmethod
     def of(cls, tree: PrefixTree) -> "_Forest":
@@ -68,17 +69,21 @@ class _Forest:
             tree.position_ids.cpu().numpy().astype(np.int64, copy=False),
             parent,
             run_start,
-            index + 1,
         )
 
     @property
     def num_tokens(self) -> int:
         return int(self.end.size)
 
+    @cached_property
+    def neg_end(self) -> np.ndarray:
+        """-end: non-decreasing along a parent-child chain, for searchsorted."""
+        return -self.end
 
-@dataclass(frozen=True)
-class Step:
-    """One move of the engine: run chunk ``chunk``'s forward, or close it (its backward)."""
+
+class Step(NamedTuple):
+    """One move of the engine: run chunk ``chunk``'s forward, or close it (its backward). A named tuple:
+    a plan of small chunks makes thousands."""
 
     chunk: int
     forward: bool
@@ -189,15 +194,16 @@ _plan = plan_chunks  # benchmarks/tune_attention.py imports it under this name
 def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
     """The chunk bounds, the open-stack facts and the steps (ChunkPlan's fields of those names): one
     pass, one short loop per chunk."""
-    end, depth, T, one_past = forest.end, forest.depth, forest.num_tokens, forest.one_past
+    depth, T = forest.depth, forest.num_tokens
     starts, stops, max_ends, helds, saveds, gradeds, steps = [], [], [], [], [], [], []
+    prefixes = []  # the prefix length of every chunk
     stack: list[int] = []  # open chunks
     held = saved = graded = a = 0
     first_close = None
     while a < T:
         while stack and max_ends[stack[-1]] <= a:
             done = stack.pop()
-            held, saved = held - (stops[done] - starts[done]), saved - int(depth[starts[done]])
+            held, saved = held - (stops[done] - starts[done]), saved - prefixes[done]
             # its backward sent dK/dV to every open chunk: they all hold ancestors of its first token
             graded = held
             first_close = done if first_close is None else first_close
@@ -207,12 +213,12 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
         limit = max_ends[stack[-1]] if stack else T
         n = min(size, limit - a)
         if recompute and a + n < T:
-            n = _recompute_friendly_length(end, one_past, a, n)
+            n = _recompute_friendly_length(forest, a, n)
         b = a + n
         c = len(starts)
-        max_end = int(end[a:b].max())
-        starts.append(a), stops.append(b), max_ends.append(max_end)
-        held, saved = held + n, saved + int(depth[a])
+        max_end = _max_end(forest, a, b)
+        starts.append(a), stops.append(b), max_ends.append(max_end), prefixes.append(int(depth[a]))
+        held, saved = held + n, saved + prefixes[c]
         # when it closes, its descendants (if any) have closed and graded it and everything under it
         helds.append(held), saveds.append(saved), gradeds.append(held if max_end > b else graded)
         stack.append(c)
@@ -224,32 +230,63 @@ def _chunk_bounds(forest: _Forest, size: int, recompute: bool):
     return facts | dict(steps=steps, first_close=first_close if first_close is not None else (stack or [0])[-1])
 
 
-def _recompute_friendly_length(end: np.ndarray, one_past: np.ndarray, a: int, n: int) -> int:
-    """Length, at most ``n``, of a chunk starting at ``a`` in recompute mode.
+def _recompute_friendly_length(forest: _Forest, a: int, n: int) -> int:
+    """Length, at most ``n``, of a chunk starting at ``a`` in recompute mode (``a + n`` < T).
 
     Back to the last point where the chunk would close at once (all its
-    descendants inside) if that keeps at least half of it; else, when it
-    starts with tokens whose subtrees run past it (a shared prompt), to just
-    after the deepest branch point among them, so that mostly shared
-    prefixes stay open and are recomputed.
+    descendants inside), if there is one; else the chunk starts with
+    ancestors of token ``a + n`` (a shared prompt): to just after the last
+    of them that branches, so that mostly shared prefixes stay open and are
+    recomputed, and the next chunk may hold one branch whole.
+
+    A chunk [a, p) closes at once when no token in it is an ancestor of p,
+    that is when p's parent is before a. Those p are end[a], end[end[a]],
+    ...: each jump passes a subtree whole. Constant work per chunk but for
+    long jump chains (many small subtrees) and a chunk of one chain.
     """
-    ends = end[a : a + n]
-    # [a, a + k) closes at once when no subtree in it ends past a + k
-    closes = np.maximum.accumulate(ends) <= one_past[a : a + n]
-    last = n - 1 - int(closes[::-1].argmax())
-    close = last + 1 if closes[last] else 0
-    if 2 * close >= n:
-        return close
-    inside = ends <= a + n
-    run = int(inside.argmax())
-    run = run if inside[run] else n  # leading tokens whose subtrees run past the chunk
-    if run == 0:
-        return close or n
-    # end the long-lived part after its deepest branch point: a token whose subtree ends before its
-    # parent's; later tokens start one branch, which the next chunk may then hold whole
-    following = end[a + 1 : min(a + run + 1, end.size)]
-    branching = np.flatnonzero(following < ends[: following.size])
-    return int(branching[-1]) + 1 if branching.size else run
+    end, parent, run_start = forest.end, forest.parent, forest.run_start
+    x = a + n
+    p = int(end[a])
+    if p <= x:
+        for _ in range(_JUMPS):
+            q = int(end[p])
+            if q > x:
+                return p - a
+            p = q
+        # many small subtrees: the last p <= x whose parent is before a
+        later = np.flatnonzero(parent[p + 1 : x + 1] < a)
+        return p + (int(later[-1]) + 1 if later.size else 0) - a
+    # a is an ancestor of x; the chunk's leading tokens are x's ancestors down to the last one in a's
+    # parent-child chain (found run by run). It branches there, unless that is x's parent.
+    cur = int(parent[x])
+    while run_start[cur] > a:
+        cur = int(parent[run_start[cur]])
+    if cur + 1 < x:
+        return cur + 1 - a
+    # all n tokens are x's ancestors, a chain, along which subtree ends do not grow: end after its last
+    # token with a second child, the last before the ends reach x's own
+    last = int(forest.neg_end[a : x + 1].searchsorted(-end[x]))
+    return last if last else n
+
+
+def _max_end(forest: _Forest, a: int, b: int) -> int:
+    """One past the last token below any token of [a, b): the end of the chunk's first ancestor of b,
+    if it has one (tokens whose subtrees run past b are ancestors of b), else b."""
+    end, parent, run_start = forest.end, forest.parent, forest.run_start
+    if b == end.size or parent[b] < a:
+        return b
+    cur = int(parent[b])
+    for _ in range(_JUMPS):
+        top = int(run_start[cur])
+        if top <= a:
+            return int(end[a])
+        if parent[top] < a:
+            return int(end[top])
+        cur = int(parent[top])
+    return int(end[a:b].max())
+
+
+_JUMPS = 16  # jumps tried one at a time before a scan
 
 
 def _prefix_pieces(forest: _Forest, start: np.ndarray, stop: np.ndarray):

@@ -425,8 +425,23 @@ def test_cpu_default_is_one_chunk(monkeypatch):
     assert [p.chunks for p in chosen] == [[(0, tree.num_tokens)]]
 
 
+def _recompute_length_by_scan(parent, end, a, n):
+    """The recompute rule's chunk length, token by token: the last point where the chunk closes at once;
+    else, when its leading tokens' subtrees reach past it, the end of that run, or of its last token
+    with two children when the run fills the chunk."""
+    close = [k for k in range(1, n + 1) if max(end[a : a + k]) <= a + k]
+    if close:
+        return close[-1]
+    run = next((k for k in range(n) if end[a + k] <= a + n), n)
+    if run < n:
+        return run
+    branching = [k for k in range(n) if parent[a + k + 1 :].count(a + k) >= 2]
+    return branching[-1] + 1 if branching else n
+
+
 def check_plan(tree, size, recompute):
-    """Each chunk's prefix pieces are exactly the ancestors of its first token, in open chunks, in
+    """Each chunk ends where the size, the chunk under it and (with recompute) the recompute rule say;
+    its prefix pieces are exactly the ancestors of its first token, in open chunks, in
     packed order; held and saved count the open chunks; steps close last-in first-out; graded counts
     the open chunks whose K/V some closed chunk read as its prefix (their gradient accumulators exist)."""
     parent, end = tree.parent.tolist(), tree.subtree_end.tolist()
@@ -443,6 +458,8 @@ def check_plan(tree, size, recompute):
         c = step.chunk
         a, b = chunks[c]
         assert plan.max_end[c] == max(end[a:b])
+        n = min(size, (plan.max_end[open_[-1]] if open_ else len(end)) - a)  # the size, or the chunk under's reach
+        assert b - a == (_recompute_length_by_scan(parent, end, a, n) if recompute and a + n < len(end) else n)
         ancestors, p = [], parent[a]
         while p >= 0:
             ancestors.append(p)
