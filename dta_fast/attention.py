@@ -27,7 +27,8 @@ autograd Function and the public ``tree_attention``.
   backward passes Q, K and dO with their non-finite rows zeroed and lets the
   LSE carry the NaN of their rows (docs/prefix_tree.md, "Isolation"). The
   loops are the ones without isolation: its cost is one fused read and write
-  of V, Q and K (``finite_rows_kernel``).
+  of V and of K (``finite_rows_kernel``), and of Q in the backward's
+  preprocess pass.
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
@@ -390,16 +391,19 @@ def tree_attention_fwd_kernel(
 
 @triton.jit
 def tree_attention_bwd_preprocess_kernel(
-    O, DO, LSE, DELTA, LSE_BWD, DO_FINITE,
+    O, DO, Q, LSE, DELTA, LSE_BWD, DO_FINITE, Q_FINITE,
     stride_ob, stride_oh, stride_ot,
     stride_dob, stride_doh, stride_dot,
+    stride_qb, stride_qh, stride_qt,
     stride_fb, stride_fh, stride_ft,
     Hq, Tq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction. Isolation: dO with
     its non-finite rows zeroed, delta with its non-finite entries zeroed, and an LSE that carries their
-    NaN instead, so a masked pair (p = 0) multiplies only finite numbers."""
+    NaN instead, so a masked pair (p = 0) multiplies only finite numbers; and Q with its non-finite rows
+    zeroed (contiguous; the forward's LSE already carries their NaN), here rather than in a launch of
+    its own: a backward's launches are most of its host cost."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // Hq, pid_bh % Hq
@@ -417,6 +421,9 @@ def tree_attention_bwd_preprocess_kernel(
     tl.store(LSE_BWD + pid_bh * Tq + offs_t, lse + row_nan, mask=mask_t)
     tl.store(DO_FINITE + b * stride_fb + h * stride_fh + offs_t[:, None] * stride_ft + offs_d[None, :],
              tl.where((row_nan == 0.0)[:, None], do, 0.0), mask=mask)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(Q_FINITE + pid_bh * Tq * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+             tl.where((_row_nan(q) == 0.0)[:, None], q, 0.0), mask=mask)
 
 
 @triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
@@ -600,6 +607,25 @@ def _block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+_CHOSEN_CONFIGS: dict = {}  # (kernel, head dim, blocks, size class, dtype) -> the autotuner's choice
+
+
+def _launch_tuned(kernel, grid, args, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dtype, **constexprs):
+    """``kernel[grid](*args, SIZE_CLASS, ...)`` for an autotuned kernel, with the config its autotuner
+    chose for this key but without the autotuner's per-call Python, which rebuilds a dict of every
+    argument and the dtype name of every tensor on each call (about 75 us on an H100 host, a third of a
+    small call's host cost). The key is the autotuner's: its key arguments and the inputs' dtype (the
+    other tensors' dtypes are fixed). A key's first call goes through the autotuner, which benchmarks."""
+    key = (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dtype)
+    config = _CHOSEN_CONFIGS.get(key)
+    constexprs.update(HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if config is None:
+        kernel[grid](*args, SIZE_CLASS, **constexprs)
+        _CHOSEN_CONFIGS[key] = kernel.best_config
+    else:
+        kernel.fn.run(*args, SIZE_CLASS, grid=grid, warmup=False, **constexprs, **config.all_kwargs())
+
+
 def _batch_strides(end, num_m_blocks):
     """Batch strides of subtree_end and of the block-list rows: 0 when one tree serves the whole batch."""
     return (end.stride(0), num_m_blocks) if end.shape[0] > 1 else (0, 0)
@@ -622,15 +648,15 @@ def _forward(q, k, v, schedule, sm_scale):
     # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
     v_finite, v_bad = _finite_rows(v)
     sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
-    tree_attention_fwd_kernel[(num_m_blocks, B * Hq)](
+    args = (
         q, k, v_finite, o, lse, end, lists.count, lists.idx, sees_bad,
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
-        Hq, Hq // Hkv, Tq, Tk, _size_class(Tq),
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        Hq, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
+    _launch_tuned(tree_attention_fwd_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, _size_class(Tq), q.dtype,
+                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
     return o, lse, v_finite
 
 
@@ -690,8 +716,7 @@ def _backward(do, q, k, v, o, lse, schedule, sm_scale):
     by a masked (zero) probability is finite, zeroed first where it was not, and the rows it belongs
     to carry their NaN through the LSE instead (the forward's for Q and K, the preprocess's for dO).
     """
-    delta, lse_bwd, do_finite = _backward_preprocess(o, do, lse)
-    q_finite = _finite_rows(q)[0]
+    delta, lse_bwd, do_finite, q_finite = _backward_preprocess(o, do, q, lse)
     dk, dv = _backward_dkdv(do_finite, q_finite, k, v, lse_bwd, delta, schedule, sm_scale)
     del q_finite, do_finite
     k_finite = _finite_rows(k)[0]
@@ -699,17 +724,19 @@ def _backward(do, q, k, v, o, lse, schedule, sm_scale):
     return dq, dk, dv
 
 
-def _backward_preprocess(o, do, lse):
+def _backward_preprocess(o, do, q, lse):
     B, Hq, Tq, D = o.shape
     delta = torch.empty(B, Hq, Tq, device=o.device, dtype=torch.float32)
     lse_bwd = torch.empty_like(delta)
     do_finite = torch.empty_like(do)
+    q_finite = torch.empty(B, Hq, Tq, D, device=q.device, dtype=q.dtype)
     BLOCK_T = 16 if INTERPRET else 128
     tree_attention_bwd_preprocess_kernel[(_cdiv(Tq, BLOCK_T), B * Hq)](
-        o, do, lse, delta, lse_bwd, do_finite, *_strides(o), *_strides(do), *_strides(do_finite), Hq, Tq,
+        o, do, q, lse, delta, lse_bwd, do_finite, q_finite,
+        *_strides(o), *_strides(do), *_strides(q), *_strides(do_finite), Hq, Tq,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
-    return delta, lse_bwd, do_finite
+    return delta, lse_bwd, do_finite, q_finite
 
 
 def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
@@ -720,14 +747,14 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     order = schedule.key_block_order(BM, BN)
     heads_per_row = B // end.shape[0] * Hkv
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    tree_attention_bwd_dkdv_kernel[(order.numel() * heads_per_row,)](
+    args = (
         q, k, v, do, lse, delta, dk, dv, end, order,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        _batch_strides(end, 0)[0], heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk, _size_class(Tq),
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        _batch_strides(end, 0)[0], heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
+    _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row,), args, D, BM, BN, _size_class(Tq),
+                  q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
     return dk, dv
 
 
@@ -739,14 +766,14 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     lists = schedule.block_lists(BM, BN)
     num_m_blocks = _cdiv(Tq, BM)
     dq = torch.empty_like(q)
-    tree_attention_bwd_dq_kernel[(num_m_blocks, B * Hq)](
+    args = (
         q, k, v, do, lse, delta, dq, end, lists.count, lists.idx,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk, _size_class(Tq),
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=BN,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
+    _launch_tuned(tree_attention_bwd_dq_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, _size_class(Tq), q.dtype,
+                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
     return dq
 
 
