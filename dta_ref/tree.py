@@ -182,7 +182,7 @@ class PrefixTree:
             subtree_end=as_tensor(subtree_end),
             seq_index=torch.from_numpy(index),
             lengths=as_tensor(lengths),
-        )
+        ).built()
 
     @classmethod
     def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "PrefixTree":
@@ -246,7 +246,26 @@ class PrefixTree:
         return self.tokens[self.seq_index[i, : int(self.lengths[i])]]
 
     def to(self, device) -> "PrefixTree":
-        return PrefixTree(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+        moved = PrefixTree(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+        return moved.built() if self._known_valid() else moved  # a copy of a valid tree is valid
+
+    def built(self) -> "PrefixTree":
+        """Record that this tree is valid as it stands (for the builders, whose trees are by construction):
+        :meth:`validate` then skips its checks, which cost about as much as building (0.6 s on a forest
+        of 1M tokens), until a tensor is changed in place or the tree is rebuilt with other tensors."""
+        object.__setattr__(self, "_valid_as", self._fingerprint())
+        return self
+
+    def _fingerprint(self):
+        """The very tensors and their version counters (None for inference tensors, which have none)."""
+        fields = [getattr(self, name) for name in self.__dataclass_fields__]
+        if any(not isinstance(x, torch.Tensor) or x.is_inference() for x in fields):
+            return None
+        return tuple((id(x), x._version) for x in fields)
+
+    def _known_valid(self) -> bool:
+        known = getattr(self, "_valid_as", None)
+        return known is not None and known == self._fingerprint()
 
     def validate(self, loss_fn=None) -> "PrefixTree":
         """Raise ValueError/TypeError unless this is a preorder forest whose fields agree; return self.
@@ -259,7 +278,20 @@ class PrefixTree:
         ``seq_index`` a root-to-node path of ``lengths[s]`` tokens, then -1.
         A ``loss_fn`` that can (``TokenLoss.check_lengths``) is checked to be
         built for these sequences.
+
+        A tree from the builders (:meth:`from_sequences`, ``dta_fast.build_tree``,
+        :meth:`to` of such a tree) is valid by construction and skips the
+        checks while its tensors are the ones built and unchanged (their
+        version counters; a write through ``.data`` is not seen).
         """
+        if not self._known_valid():
+            self._check()
+            self.built()
+        if loss_fn is not None and hasattr(loss_fn, "check_lengths"):
+            loss_fn.check_lengths(self.lengths)
+        return self
+
+    def _check(self) -> None:
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
         for name, x in fields.items():
             if not isinstance(x, torch.Tensor):
@@ -310,9 +342,6 @@ class PrefixTree:
         if not bool(on_path.all()):
             s, t = (~on_path).nonzero()[0].tolist()
             raise ValueError(f"PrefixTree.seq_index[{s}] is not a root-to-node path: its token {t} is not a child of token {t - 1}")
-        if loss_fn is not None and hasattr(loss_fn, "check_lengths"):
-            loss_fn.check_lengths(lengths)
-        return self
 
     def __repr__(self) -> str:
         return (

@@ -404,6 +404,28 @@ def test_validate_accepts_builder_trees():
 
     assert TREE.validate() is TREE
     assert build_tree(SEQUENCES).validate() is not None
+    # the same tensors in a tree the builders did not make: every check runs, and passes
+    for tree in (TREE, build_tree(SEQUENCES)):
+        again = dataclasses.replace(tree)
+        assert not again._known_valid() and again.validate() is again and again._known_valid()
+
+
+def test_builder_trees_are_checked_again_once_changed():
+    """A builder's tree skips the checks while its tensors are unchanged; an in-place write to one of
+    them (or the tree rebuilt around other tensors) brings them back."""
+    from dta_fast import build_tree
+
+    for tree in (PrefixTree.from_sequences(SEQUENCES), build_tree(SEQUENCES), PrefixTree.from_sequences(SEQUENCES).to("cpu")):
+        assert tree._known_valid()
+        tree.subtree_end[0] = 1  # crosses the ranges under token 0
+        with pytest.raises(ValueError, match="position_ids|not a preorder forest|parent"):
+            tree.validate()
+        with pytest.raises(ValueError, match="position_ids|not a preorder forest|parent"):
+            _entry("tree_backward")(tree)
+    changed = dataclasses.replace(TREE, subtree_end=TREE.subtree_end.clone())
+    changed.subtree_end[0] = 1
+    with pytest.raises(ValueError, match="position_ids|not a preorder forest|parent"):
+        changed.validate()
 
 
 # ------------------------------------------------------------ deep errors made clear
