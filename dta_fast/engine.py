@@ -16,10 +16,10 @@ Three parts, read in order:
   what is alive at its worst moment, which :class:`MemoryModel` turns into
   :func:`estimated_step_bytes`.
 - :class:`_Engine`: a loop over the plan's steps. Attention reaches the
-  stored K/V through two autograd Functions (:class:`_SeedOwnKV`,
-  :class:`_GatherPrefix`) that read and write the chunks' gradient
-  accumulators when autograd runs them, so the engine stays exact when a
-  layer's forward runs twice (gradient checkpointing).
+  stored K/V through an autograd Function (:class:`_AttendedKV`) that
+  reads and writes the chunks' gradient accumulators when autograd runs
+  it, so the engine stays exact when a layer's forward runs twice
+  (gradient checkpointing).
 - :func:`tree_backward`: checks its arguments, picks the plan (given chunk
   size, memory budget, or on CUDA the device's free memory), runs the loss.
 """
@@ -654,47 +654,40 @@ class _LayerKV:
         self.dvalues[:, :, lo:hi] += dv
 
 
-class _SeedOwnKV(torch.autograd.Function):
-    """Identity on a chunk's K/V whose backward adds the dK/dV its descendants accumulated.
+class _AttendedKV(torch.autograd.Function):
+    """The keys and values a chunk's queries attend in one layer: its cached prefix, gathered from the
+    open chunks' stores (detached), then its own k, v.
 
-    The accumulators are read when autograd runs this backward, which happens
-    once, in whichever graph autograd actually runs (the forward's, or a
-    gradient-checkpointing recompute's); the chunk closes only after every
-    descendant, so they are complete by then.
+    The backward adds each prefix piece's gradient into its owner's
+    accumulators, and passes the gradient of the own k, v on with the dK/dV
+    the chunk's descendants accumulated on them. The accumulators are read
+    when autograd runs this backward, which happens once, in whichever graph
+    autograd actually runs (the forward's, or a gradient-checkpointing
+    recompute's); the chunk closes only after every descendant, so they are
+    complete by then.
     """
 
     @staticmethod
-    def forward(ctx, k, v, store: _LayerKV):
-        ctx.store = store
-        return k.view_as(k), v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, dk, dv):
-        store = ctx.store
-        if store.dkeys is not None:
-            dk, dv = dk + store.dkeys.to(dk.dtype), dv + store.dvalues.to(dv.dtype)
-        return dk, dv, None
-
-
-class _GatherPrefix(torch.autograd.Function):
-    """A chunk's cached prefix K/V from the open chunks' stores; the backward adds dK/dV into their
-    accumulators. ``anchor`` is a tensor requiring grad, so that autograd records and runs it."""
-
-    @staticmethod
-    def forward(ctx, anchor, pieces: list[tuple[_LayerKV, int, int]]):
-        ctx.pieces = pieces
-        keys = torch.cat([store.keys[:, :, lo:hi] for store, lo, hi in pieces], dim=2)
-        values = torch.cat([store.values[:, :, lo:hi] for store, lo, hi in pieces], dim=2)
+    def forward(ctx, k, v, own: _LayerKV, prefix: list[tuple[_LayerKV, int, int]]):
+        ctx.own, ctx.prefix = own, prefix
+        if not prefix:
+            return k.view_as(k), v.view_as(v)
+        keys = torch.cat([store.keys[:, :, lo:hi].to(k.dtype) for store, lo, hi in prefix] + [k], dim=2)
+        values = torch.cat([store.values[:, :, lo:hi].to(v.dtype) for store, lo, hi in prefix] + [v], dim=2)
         return keys, values
 
     @staticmethod
     def backward(ctx, dkeys, dvalues):
         offset = 0
-        for store, lo, hi in ctx.pieces:
+        for store, lo, hi in ctx.prefix:
             n = hi - lo
             store.add_grad(lo, hi, dkeys[:, :, offset : offset + n], dvalues[:, :, offset : offset + n])
             offset += n
-        return None, None
+        dk, dv = dkeys[:, :, offset:], dvalues[:, :, offset:]
+        own = ctx.own
+        if own.dkeys is not None:
+            dk, dv = dk + own.dkeys.to(dk.dtype), dv + own.dvalues.to(dv.dtype)
+        return dk, dv, None, None
 
 
 @dataclass
@@ -727,7 +720,6 @@ class _Engine:
         self.span_hi = np.searchsorted(rows, plan.stop).tolist()
         self.out = out_logprobs
         self.open: dict[int, _OpenChunk] = {}
-        self.anchor = torch.zeros((), device=out_logprobs.device, requires_grad=True)
 
     def run(self, seed) -> None:
         """Forward and backward over the whole plan; ``seed(span, logprobs)`` is a chunk's loss."""
@@ -761,14 +753,17 @@ class _Engine:
         chunk_pass = chunk.graph if chunk.graph is not None else self.run_chunk(c, grad=True)
         chunk.graph = None
         # the hidden states with a zero gradient reach every layer even without loss terms, so the
-        # K/V seeds of _SeedOwnKV always run
+        # K/V seeds of _AttendedKV always run
         roots, grads = [chunk_pass.hidden], [torch.zeros_like(chunk_pass.hidden)]
         if chunk_pass.logprobs.numel():
             loss = seed(self.span(c), chunk_pass.logprobs)
             roots.append(loss)
             grads.append(torch.ones_like(loss))
-        if chunk_pass.hidden.requires_grad:  # not when nothing in the model trains
-            torch.autograd.backward(roots, grads)
+        # a root that needs no gradient is left out: the hidden states when only the head trains, all of
+        # them when nothing in the model does
+        trained = [(root, grad) for root, grad in zip(roots, grads) if root.requires_grad]
+        if trained:
+            torch.autograd.backward(*zip(*trained))
         del self.open[c]
 
     def span(self, c: int) -> slice:
@@ -796,11 +791,8 @@ class _Engine:
         def attend(layer, q, k, v, scale):
             if layer not in chunk.layers:  # idempotent: a checkpointed layer calls attend twice
                 chunk.layers[layer] = _LayerKV(k.detach(), v.detach())
-            k, v = _SeedOwnKV.apply(k, v, chunk.layers[layer])
-            if pieces:
-                stores = [(self.open[p.owner].layers[layer], p.lo, p.hi) for p in pieces]
-                pk, pv = _GatherPrefix.apply(self.anchor, stores)
-                k, v = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
+            prefix = [(self.open[p.owner].layers[layer], p.lo, p.hi) for p in pieces]
+            k, v = _AttendedKV.apply(k, v, chunk.layers[layer], prefix)
             if self.attention_impl == "kernel":
                 return tree_attention(q, k, v, scale=scale, schedule=schedule)
             return attention(q, k, v, mask, scale)

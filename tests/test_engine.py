@@ -331,6 +331,26 @@ class _CheckpointedLayer(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.layer, x, position_ids, attend, use_reentrant=self.use_reentrant)
 
 
+@pytest.mark.parametrize("trained", ["lm_head", "embed", "layers.0", "layers.1.attn.k_proj", "layers.1.mlp"])
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_partly_frozen_models(trained, chunk, recompute):
+    """Only some parameters train (a head, the embedding, one layer, one projection): the gradients of
+    those are per-sequence training's, the frozen ones get none. With only the head training, no
+    hidden state needs a gradient, and the head's must still come."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(trained))
+    assert any(p.requires_grad for p in model.parameters())
+    _, _, expected = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=chunk, recompute=recompute)
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert_grads_close(got, expected, rel=1e-10)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
 @pytest.mark.parametrize("chunk", [None, 5])
