@@ -72,7 +72,7 @@ def build_tree(sequences) -> PrefixTree:
         subtree_end=as_tensor(subtree_end),
         seq_index=as_tensor(seq_index),
         lengths=as_tensor(length),
-    ).built()
+    )._mark_valid()
 
 
 def _first_later_at_most(lcp: np.ndarray, after: np.ndarray, limit: np.ndarray) -> np.ndarray:

@@ -182,7 +182,7 @@ class PrefixTree:
             subtree_end=as_tensor(subtree_end),
             seq_index=torch.from_numpy(index),
             lengths=as_tensor(lengths),
-        ).built()
+        )._mark_valid()
 
     @classmethod
     def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "PrefixTree":
@@ -247,9 +247,9 @@ class PrefixTree:
 
     def to(self, device) -> "PrefixTree":
         moved = PrefixTree(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
-        return moved.built() if self._known_valid() else moved  # a copy of a valid tree is valid
+        return moved._mark_valid() if self._known_valid() else moved  # a copy of a valid tree is valid
 
-    def built(self) -> "PrefixTree":
+    def _mark_valid(self) -> "PrefixTree":
         """Record that this tree is valid as it stands (for the builders, whose trees are by construction):
         :meth:`validate` then skips its checks, which cost about as much as building (0.6 s on a forest
         of 1M tokens), until a tensor is changed in place or the tree is rebuilt with other tensors."""
@@ -286,7 +286,7 @@ class PrefixTree:
         """
         if not self._known_valid():
             self._check()
-            self.built()
+            self._mark_valid()
         if loss_fn is not None and hasattr(loss_fn, "check_lengths"):
             loss_fn.check_lengths(self.lengths)
         return self
