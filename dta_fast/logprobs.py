@@ -144,13 +144,16 @@ def rows_logprobs(
     pair_bounds = torch.searchsorted(inverse, bounds).tolist()
     bounds = bounds.tolist()
     fused = _fusable(head)
+    # a window's logits are recomputed in the backward rather than kept, whenever there is one: also
+    # when only the head trains (the hidden states then need no gradient)
+    trains = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     picked, entropies = [], []
     for c in range(len(bounds) - 1):
         (u0, u1), (lo, hi) = bounds[c : c + 2], pair_bounds[c : c + 2]
         args = (hidden[unique[u0:u1]], inverse[lo:hi] - u0, targets[lo:hi], temperature, entropy)
         if fused:
             lp, ent = _HeadLogprobs.apply(args[0], head.weight, *args[1:])
-        elif torch.is_grad_enabled() and hidden.requires_grad:
+        elif trains:
             lp, ent = checkpoint(_window_logprobs, args[0], head, *args[1:], use_reentrant=False)
         else:
             lp, ent = _window_logprobs(args[0], head, *args[1:])

@@ -242,6 +242,32 @@ def test_float64_head_keeps_float64():
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("hidden_trains", [True, False], ids=["hidden_trains", "head_only"])
+def test_unfused_head_keeps_no_logits_for_the_backward(hidden_trains):
+    """A head the fused path does not take (a bias here, LoRA in practice) keeps at most one window of
+    logits alive: none is saved for the backward, also when only the head trains."""
+    from dta_fast.logprobs import rows_logprobs
+
+    torch.manual_seed(15)
+    V, rows = 512, torch.arange(40)
+    head = torch.nn.Linear(32, V, bias=True).double()
+    hidden = torch.randn(40, 32, dtype=torch.float64, requires_grad=hidden_trains)
+    targets = torch.randint(0, V, (40,))
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        got = rows_logprobs(hidden, head, rows, targets, chunk_rows=8)
+    assert max(saved) < 8 * V  # under one window of logits: the windows are recomputed, not kept
+    want = torch.log_softmax(head(hidden), -1)[rows, targets]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g_got, g_want in zip(torch.autograd.grad(got.sum(), head.parameters()), torch.autograd.grad(want.sum(), head.parameters())):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-11, atol=1e-11)
+
+
 @pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
 def test_tree_backward_at_a_temperature(reentrant):
     """tree_backward scores at the sampling temperature, chunked, under checkpointing too."""
