@@ -40,14 +40,20 @@ def build(end, T, validate, head_dim):
 
 
 def reference_rows(end, BM, BN):
-    """Live key blocks per query block from the largest subtree end of each key block (tensor ops)."""
+    """(full, partly visible) live key blocks per query block from the smallest and largest subtree end
+    of each key block (tensor ops)."""
     T = end.numel()
     Nk, Mq = -(-T // BN), -(-T // BM)
-    max_end = torch.nn.functional.pad(end, (0, Nk * BN - T)).view(Nk, BN).amax(1)
+    padded = torch.nn.functional.pad(end, (0, Nk * BN - T)).view(Nk, BN)
     q_first = torch.arange(Mq, device=end.device) * BM
+    q_last = (q_first + BM).clamp(max=T) - 1
     k_first = torch.arange(Nk, device=end.device) * BN
-    live = (k_first[None, :] < (q_first + BM).clamp(max=T)[:, None]) & (max_end[None, :] > q_first[:, None])
-    return [torch.nonzero(row)[:, 0].tolist() for row in live.cpu()]
+    live = (k_first[None, :] <= q_last[:, None]) & (padded.amax(1)[None, :] > q_first[:, None])
+    full = (k_first[None, :] + BN - 1 <= q_first[:, None]) & (padded.amin(1)[None, :] > q_last[:, None])
+    return [
+        (torch.nonzero(f)[:, 0].tolist(), torch.nonzero(l & ~f)[:, 0].tolist())
+        for l, f in zip(live.cpu(), full.cpu())
+    ]
 
 
 def host_us(fn, calls=300):

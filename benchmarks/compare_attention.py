@@ -6,7 +6,8 @@
 Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
 (its kernels compile separately). Per shape: forward alone and forward +
 backward, ``triton.testing.do_bench`` medians, bf16, H=32, D=128 (8 K/V heads
-on the agentic row), the schedule built once outside the timing; and the
+on the agentic row; ``--heads``, ``--kv-heads``, ``--head-dim`` for another
+shape), the schedule built once outside the timing; and the
 largest difference of each version's output and gradients from the first
 version's. Prints a table and writes compare_attention.json.
 """
@@ -45,6 +46,10 @@ def load(name: str, path: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("versions", nargs="+", help="NAME=PATH of a copy of dta_fast/attention.py")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (8 on the agentic row)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     versions = {}
@@ -56,15 +61,17 @@ def main():
 
     rows = []
     print(f"{'shape':40s} {'version':14s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'max |diff|':>11s}")
-    for shape, make in SHAPES.items():
-        end = PrefixTree.from_sequences(make()).subtree_end.cuda()
-        T, Hkv = end.numel(), 8 if shape.startswith("agentic") else 32
+    H, D = args.heads, args.head_dim
+    for shape in args.shapes:
+        end = PrefixTree.from_sequences(SHAPES[shape]()).subtree_end.cuda()
+        T = end.numel()
+        Hkv = args.kv_heads or (8 if shape.startswith("agentic") and H == 32 else H)
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, 32, T, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        k, v = (torch.randn(1, Hkv, T, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        q = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        k, v = (torch.randn(1, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                 for _ in range(2))  # fmt: skip
-        do = torch.randn(1, 32, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        row, first = {"shape": shape, "T": T, "Hkv": Hkv}, None
+        do = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        row, first = {"shape": shape, "T": T, "H": H, "Hkv": Hkv, "D": D}, None
         for name, module in versions.items():
             schedule = module.build_schedule(end, T)
 
@@ -85,7 +92,8 @@ def main():
         del q, k, v, do
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": args.versions}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "compare_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = Path(args.out) / f"compare_attention_h{H}_d{D}.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

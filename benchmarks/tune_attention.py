@@ -140,7 +140,7 @@ def main():
 
         for kernel, configs in sweep.items():
             for BM, BN, warps, stages in configs:
-                ta.block_table(D)[kernel] = (BM, BN)
+                ta.block_table(D, dtype)[kernel] = (BM, BN)
                 KERNELS[kernel].configs = [triton.Config({}, num_warps=warps, num_stages=stages)]
                 KERNELS[kernel].cache.clear()
                 ta._CHOSEN_CONFIGS.clear()  # the launches' record of the autotuner's choice

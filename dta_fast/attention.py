@@ -150,41 +150,52 @@ class TreeSchedule:
 
 @dataclass(frozen=True)
 class BlockLists:
-    """The live key blocks of every (batch row, query block) ``r = b * Mq + m``, in key order:
-    ``idx[r * Nk : r * Nk + count[r]]`` (rows sized for every key block, so no count is read back)."""
+    """The live key blocks of every (batch row, query block) ``r = b * Mq + m``: ``idx[r * Nk : r * Nk +
+    count[r]]``, first the ``full[r]`` blocks whose every (query, key) pair is visible, then the others,
+    each group in key order (rows sized for every key block, so no count is read back). The kernels walk
+    the full blocks in a loop without mask code, which Triton pipelines better than a loop with a branch."""
 
     count: torch.Tensor  # [B * Mq] int32
+    full: torch.Tensor  # [B * Mq] int32: how many of the row's blocks come first as full ones
     idx: torch.Tensor  # [B * Mq * Nk] int32; past each row's count: unused
     num_key_blocks: int  # Nk, the row stride of idx
 
-    def rows(self) -> list[list[int]]:
-        """Every row's live key blocks (reads the GPU: for tests and inspection)."""
-        count, idx, Nk = self.count.tolist(), self.idx.tolist(), self.num_key_blocks
-        return [idx[r * Nk : r * Nk + c] for r, c in enumerate(count)]
+    def rows(self) -> list[tuple[list[int], list[int]]]:
+        """Every row's (full, partly visible) key blocks (reads the GPU: for tests and inspection)."""
+        count, full, idx, Nk = self.count.tolist(), self.full.tolist(), self.idx.tolist(), self.num_key_blocks
+        return [(idx[r * Nk : r * Nk + f], idx[r * Nk + f : r * Nk + c]) for r, (c, f) in enumerate(zip(count, full))]
 
 
 @triton.jit
 def block_lists_kernel(
-    END, COUNT, IDX, stride_eb, Tq, Tk, NK,
+    END, COUNT, FULL, IDX, stride_eb, Tq, Tk, NK,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One (query block, batch row): its live key blocks, those before its last query whose largest
-    subtree end passes its first query, written in order (a prefix sum over chunks of key blocks)."""
+    subtree end passes its first query, written in order (a prefix sum over chunks of key blocks): the
+    full ones (every key before its first query, every subtree end past its last query) in a first
+    pass, the rest in a second."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     row = (b * tl.num_programs(0) + pid_m).to(tl.int64)
     q_first = Tk - Tq + pid_m * BLOCK_M
-    n_stop = tl.cdiv(tl.minimum(q_first + BLOCK_M, Tk), BLOCK_N)  # key blocks starting before its last query
+    q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
+    n_stop = tl.cdiv(q_last + 1, BLOCK_N)  # key blocks starting before its last query
     END += b.to(tl.int64) * stride_eb
     count = 0
-    for n0 in range(0, n_stop, CHUNK):
-        offs_c = n0 + tl.arange(0, CHUNK)
-        offs_t = offs_c[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ends = tl.load(END + offs_t, mask=(offs_t < Tk) & (offs_c[:, None] < n_stop), other=0)
-        live = (tl.max(ends, 1) > q_first) & (offs_c < n_stop)
-        slot = count + tl.cumsum(live.to(tl.int32), 0) - 1
-        tl.store(IDX + row * NK + slot, offs_c, mask=live)
-        count += tl.sum(live.to(tl.int32), 0)
+    for second in tl.static_range(2):
+        for n0 in range(0, n_stop, CHUNK):
+            offs_c = n0 + tl.arange(0, CHUNK)
+            offs_t = offs_c[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            ends = tl.load(END + offs_t, mask=(offs_t < Tk) & (offs_c[:, None] < n_stop), other=0)
+            live = (tl.max(ends, 1) > q_first) & (offs_c < n_stop)
+            full = (offs_c * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(ends, 1) > q_last)
+            take = live & (full != second)
+            slot = count + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(IDX + row * NK + slot, offs_c, mask=take)
+            count += tl.sum(take.to(tl.int32), 0)
+        if not second:
+            tl.store(FULL + row, count)
     tl.store(COUNT + row, count)
 
 
@@ -222,13 +233,13 @@ def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
 def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
     B, Tk = subtree_end.shape
     Mq, Nk = _cdiv(Tq, BLOCK_M), _cdiv(Tk, BLOCK_N)
-    count = torch.empty(B * Mq, dtype=torch.int32, device=subtree_end.device)
+    count, full = torch.empty(2, B * Mq, dtype=torch.int32, device=subtree_end.device)
     idx = torch.empty(B * Mq * Nk, dtype=torch.int32, device=subtree_end.device)
     block_lists_kernel[(Mq, B)](
-        subtree_end, count, idx, subtree_end.stride(0), Tq, Tk, Nk,
+        subtree_end, count, full, idx, subtree_end.stride(0), Tq, Tk, Nk,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
     )  # fmt: skip
-    return BlockLists(count, idx, Nk)
+    return BlockLists(count, full, idx, Nk)
 
 
 def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
@@ -274,10 +285,11 @@ def _size_class(num_queries: int) -> int:
 
 
 def _tuned_configs(kind):
-    # from benchmarks/tune_attention.py on H100/H200 at head dim 128; dK/dV's 32x64 blocks want 4 stages
+    # from benchmarks/tune_attention.py and compare_attention.py on H100/H200; the first of each list is
+    # what DTA_AUTOTUNE=0 runs, so it fits every block table (128-row tiles want 8 warps)
     warps_stages = {
-        "fwd": ((4, 3), (4, 4), (8, 2)),
-        "dkdv": ((4, 4), (4, 2), (4, 3), (8, 2)),
+        "fwd": ((8, 3), (4, 3), (4, 4), (8, 2)),
+        "dkdv": ((8, 3), (4, 4), (4, 2), (4, 3), (8, 2)),
         "dq": ((4, 2), (4, 3), (8, 2)),
     }[kind]
     return [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
@@ -318,10 +330,47 @@ def finite_rows_kernel(
     tl.store(BAD + pid_bh * T + offs_t, bad.to(tl.int8), mask=mask_t)
 
 
+@triton.jit
+def _load_tile(ptrs, mask_rows, mask_d, ROWS_IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile; the loads of a full block (every row in range) at a head dim that fills
+    BLOCK_D carry no mask."""
+    if ROWS_IN_RANGE and EVEN_D:
+        return tl.load(ptrs)
+    elif ROWS_IN_RANGE:
+        return tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    else:
+        return tl.load(ptrs, mask=mask_rows[:, None] & mask_d[None, :], other=0.0)
+
+
+@triton.jit
+def _fwd_key_blocks(
+    acc, l_i, m_i, q, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the key blocks KV_IDX[lo:hi]: all full (MASKED false) or all partly visible."""
+    for e in range(lo, hi):
+        n = tl.load(KV_IDX + e)
+        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Tk
+        k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+        v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
+            s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_fwd_kernel(
-    Q, K, V, O, LSE, END, KV_COUNT, KV_IDX, SEES_BAD,
+    Q, K, V, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, SEES_BAD,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -352,31 +401,15 @@ def tree_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row may see nothing in a block
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    q_first = q_offset + pid_m * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
 
     row = b * stride_kv_b + pid_m  # the schedule is shared by the batch when subtree_end is
     start = row * NK
+    mid = start + tl.load(KV_FULL + row)
     stop = start + tl.load(KV_COUNT + row)
-    for e in range(start, stop):
-        n = tl.load(KV_IDX + e)
-        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Tk
-        k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
-        if not full:
-            s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, l_i, m_i = _fwd_key_blocks(acc, l_i, m_i, q, K, V, END, KV_IDX, start, mid, pos_m, offs_d, mask_d, qk_scale,
+                                    stride_kt, stride_vt, Tk, BLOCK_N, False, HEAD_DIM == BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_key_blocks(acc, l_i, m_i, q, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d, qk_scale,
+                                    stride_kt, stride_vt, Tk, BLOCK_N, True, HEAD_DIM == BLOCK_D, DOT_PRECISION)
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past Tq saw nothing; they are not stored
     acc = acc / l_i[:, None]
@@ -426,6 +459,36 @@ def tree_attention_bwd_preprocess_kernel(
              tl.where((_row_nan(q) == 0.0)[:, None], q, 0.0), mask=mask)
 
 
+@triton.jit
+def _dkdv_query_blocks(
+    dk, dv, k, v, Qh, DOh, LSE, DELTA, row_base, lo, hi, offs_n, end_n, q_offset, offs_d, mask_d, qk_scale,
+    stride_qt, stride_dot, Tq,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key block summed over the query blocks lo..hi-1 of one query head: all full
+    (MASKED false) or all partly visible."""
+    for m in range(lo, hi):
+        offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < Tq
+        q = _load_tile(Qh + offs_m[:, None] * stride_qt + offs_d[None, :], mask_m, mask_d, not MASKED, EVEN_D)
+        do = _load_tile(DOh + offs_m[:, None] * stride_dot + offs_d[None, :], mask_m, mask_d, not MASKED, EVEN_D)
+        if MASKED:
+            lse = tl.load(LSE + row_base + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_base + offs_m, mask=mask_m, other=0.0)
+        else:
+            lse = tl.load(LSE + row_base + offs_m) * 1.4426950408889634
+            delta = tl.load(DELTA + row_base + offs_m)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(s_t - lse[None, :])
+        if MASKED:
+            p_t = tl.where(tl.trans(_visible(q_offset + offs_m, offs_n, end_n)), p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
 @triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dkdv_kernel(
@@ -472,33 +535,28 @@ def tree_attention_bwd_dkdv_kernel(
     m_lo = row_lo // BLOCK_M
     m_hi = tl.cdiv(row_hi, BLOCK_M)
 
+    # query blocks whose every query sees every key of this block: at or after its last key, before
+    # its smallest subtree end (a contiguous run of the range; clamped at 0 before dividing)
+    m_full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(k_last - q_offset, 0), BLOCK_M), m_lo), m_hi)
+    m_full_hi = tl.maximum(tl.minimum(tl.maximum(min_end - q_offset, 0) // BLOCK_M, m_hi), m_full_lo)
+
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     for g in range(GROUP):
         h = hk * GROUP + g
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
         row_base = (b * Hq + h) * Tq
-        for m in range(m_lo, m_hi):
-            offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
-            pos_m = q_offset + offs_m
-            mask_m = offs_m < Tq
-            mask_md = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_d[None, :], mask=mask_md, other=0.0)
-            do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=mask_md, other=0.0)
-            lse = tl.load(LSE + row_base + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + row_base + offs_m, mask=mask_m, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-            p_t = tl.exp2(s_t - lse[None, :])
-            q_first = q_offset + m * BLOCK_M
-            q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
-            full = (k_last <= q_first) & (min_end > q_last)
-            if not full:
-                p_t = tl.where(tl.trans(_visible(pos_m, offs_n, end_n)), p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(dk, dv, k, v, Qh, DOh, LSE, DELTA, row_base, m_lo, m_full_lo, offs_n, end_n,
+                                    q_offset, offs_d, mask_d, qk_scale, stride_qt, stride_dot, Tq,
+                                    BLOCK_M, True, EVEN_D, DOT_PRECISION)  # fmt: skip
+        dk, dv = _dkdv_query_blocks(dk, dv, k, v, Qh, DOh, LSE, DELTA, row_base, m_full_lo, m_full_hi, offs_n, end_n,
+                                    q_offset, offs_d, mask_d, qk_scale, stride_qt, stride_dot, Tq,
+                                    BLOCK_M, False, EVEN_D, DOT_PRECISION)  # fmt: skip
+        dk, dv = _dkdv_query_blocks(dk, dv, k, v, Qh, DOh, LSE, DELTA, row_base, m_full_hi, m_hi, offs_n, end_n,
+                                    q_offset, offs_d, mask_d, qk_scale, stride_qt, stride_dot, Tq,
+                                    BLOCK_M, True, EVEN_D, DOT_PRECISION)  # fmt: skip
 
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
@@ -506,10 +564,33 @@ def tree_attention_bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
+@triton.jit
+def _dq_key_blocks(
+    dq, q, do, lse, delta, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dQ summed over the key blocks KV_IDX[lo:hi]: all full (MASKED false) or all partly visible."""
+    for e in range(lo, hi):
+        n = tl.load(KV_IDX + e)
+        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Tk
+        k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+        v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            end_n = tl.load(END + offs_n, mask=mask_n, other=0)
+            p = tl.where(_visible(pos_m, offs_n, end_n), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
 @triton.autotune(configs=_configs("dq"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_IDX,
+    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -542,30 +623,16 @@ def tree_attention_bwd_dq_kernel(
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     END += b * stride_eb
-    q_first = q_offset + pid_m * BLOCK_M
-    q_last = tl.minimum(q_first + BLOCK_M, Tk) - 1
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row = b * stride_kv_b + pid_m  # the schedule is shared by the batch when subtree_end is
     start = row * NK
+    mid = start + tl.load(KV_FULL + row)
     stop = start + tl.load(KV_COUNT + row)
-    for e in range(start, stop):
-        n = tl.load(KV_IDX + e)
-        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Tk
-        k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        end_n = tl.load(END + offs_n, mask=mask_n, other=0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        p = tl.exp2(s - lse[:, None])
-        full = (n * BLOCK_N + BLOCK_N - 1 <= q_first) & (tl.min(end_n, 0) > q_last)
-        if not full:
-            p = tl.where(_visible(pos_m, offs_n, end_n), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse, delta, K, V, END, KV_IDX, start, mid, pos_m, offs_d, mask_d, qk_scale,
+                        stride_kt, stride_vt, Tk, BLOCK_N, False, HEAD_DIM == BLOCK_D, DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse, delta, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d, qk_scale,
+                        stride_kt, stride_vt, Tk, BLOCK_N, True, HEAD_DIM == BLOCK_D, DOT_PRECISION)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_md)
@@ -574,26 +641,30 @@ def tree_attention_bwd_dq_kernel(
 # ---------------------------------------------------------- autograd glue
 
 
-# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, from benchmarks/tune_attention.py on H100.
-# dK/dV at head dims 65..128: at 16 query heads over 8 K/V heads (the 1.7B training shape), 32x64 is 17-23%
-# faster than 64x64 on agentic trees and 3% slower on GRPO; at 32 over 32 heads it costs 2-4% (docs/benchmarks.md)
-BLOCKS = {"fwd": (128, 64), "dkdv": (32, 64), "dq": (64, 64)}  # head dim 65..128
+# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, from benchmarks/tune_attention.py and
+# compare_attention.py on H100. Head dims 65..128, since the loops over full blocks carry no mask code:
+# forward 128 x 128 is 5-12% faster than 128 x 64; dK/dV 64 x 128 (8 warps) is 1-7% faster than 32 x 64
+# on every tree measured but the 64-rollout GRPO one (1-7% slower) (docs/benchmarks.md)
+BLOCKS = {"fwd": (128, 128), "dkdv": (64, 128), "dq": (64, 64)}  # head dim 65..128
+BLOCKS_FLOAT32 = {"fwd": (128, 64), "dkdv": (32, 64), "dq": (64, 64)}  # the same in float32 (shared memory)
 BLOCKS_SMALL_HEAD = {"fwd": (128, 128), "dkdv": (64, 64), "dq": (64, 128)}  # head dim <= 64
 BLOCKS_LARGE_HEAD = {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}  # head dim > 128
 BLOCKS_INTERPRET = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16)}
 
 
-def block_table(head_dim: int) -> dict:
-    """The (BLOCK_M, BLOCK_N) table the kernels use at this head dim."""
+def block_table(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The (BLOCK_M, BLOCK_N) table the kernels use at this head dim and dtype."""
     if INTERPRET:
         return BLOCKS_INTERPRET
     if head_dim <= 64:
         return BLOCKS_SMALL_HEAD
-    return BLOCKS if head_dim <= 128 else BLOCKS_LARGE_HEAD
+    if head_dim <= 128:
+        return BLOCKS if dtype.itemsize <= 2 else BLOCKS_FLOAT32
+    return BLOCKS_LARGE_HEAD
 
 
-def _blocks(kernel: str, head_dim: int):
-    return block_table(head_dim)[kernel]
+def _blocks(kernel: str, x: torch.Tensor):
+    return block_table(x.shape[-1], x.dtype)[kernel]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -638,7 +709,7 @@ def _strides(x):
 def _forward(q, k, v, schedule, sm_scale):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    BM, BN = _blocks("fwd", D)
+    BM, BN = _blocks("fwd", q)
     lists = schedule.block_lists(BM, BN)
     end = schedule.subtree_end
     o = torch.empty_like(q)
@@ -649,7 +720,7 @@ def _forward(q, k, v, schedule, sm_scale):
     v_finite, v_bad = _finite_rows(v)
     sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
     args = (
-        q, k, v_finite, o, lse, end, lists.count, lists.idx, sees_bad,
+        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, sees_bad,
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
@@ -742,7 +813,7 @@ def _backward_preprocess(o, do, q, lse):
 def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    BM, BN = _blocks("dkdv", D)
+    BM, BN = _blocks("dkdv", q)
     end = schedule.subtree_end
     order = schedule.key_block_order(BM, BN)
     heads_per_row = B // end.shape[0] * Hkv
@@ -761,13 +832,13 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
 def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    BM, BN = _blocks("dq", D)
+    BM, BN = _blocks("dq", q)
     end = schedule.subtree_end
     lists = schedule.block_lists(BM, BN)
     num_m_blocks = _cdiv(Tq, BM)
     dq = torch.empty_like(q)
     args = (
-        q, k, v, do, lse, delta, dq, end, lists.count, lists.idx,
+        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,

@@ -298,16 +298,27 @@ def test_gpu_deterministic():
 @pytest.mark.parametrize("Tq", [70, 23, 1])
 @pytest.mark.parametrize("BM, BN", [(16, 8), (8, 16), (16, 16)])
 def test_block_lists_are_the_live_key_blocks(Tq, BM, BN):
-    """Each query block lists, in order, exactly the key blocks holding a key one of its queries sees."""
+    """Each query block lists exactly the key blocks holding a key one of its queries sees: first, in
+    key order, those whose every (query, key) pair is visible, then the others in key order."""
     rng = np.random.default_rng(Tq + BM)
     Tk = 70
-    end = torch.stack([subtree_end_from_depths(random_depths(Tk, rng)) for _ in range(2)] + [torch.arange(1, Tk + 1)])
+    chain, lone = torch.full((Tk,), Tk), torch.arange(1, Tk + 1)  # a causal chain, and every token alone
+    end = torch.stack([subtree_end_from_depths(random_depths(Tk, rng)) for _ in range(2)] + [chain, lone])
     schedule = build_schedule(end.to(DEVICE), Tq)
     Mq, Nk = -(-Tq // BM), -(-Tk // BN)
-    visible = torch.nn.functional.pad(dta_fast_mask(end, Tq), (0, Nk * BN - Tk, 0, Mq * BM - Tq))
-    live = visible.view(3, Mq, BM, Nk, BN).any(4).any(2).flatten(0, 1)  # [3 * Mq, Nk]
-    expected = [torch.nonzero(row)[:, 0].tolist() for row in live]
-    assert schedule.block_lists(BM, BN).rows() == expected
+    mask = dta_fast_mask(end, Tq)
+    visible = torch.nn.functional.pad(mask, (0, Nk * BN - Tk, 0, Mq * BM - Tq))
+    live = visible.view(4, Mq, BM, Nk, BN).any(4).any(2).flatten(0, 1)  # [4 * Mq, Nk]
+    # full: every pair of real queries and keys visible (padding queries count as seeing, padding keys not)
+    padded = torch.nn.functional.pad(torch.nn.functional.pad(mask, (0, 0, 0, Mq * BM - Tq), value=True),
+                                     (0, Nk * BN - Tk))  # fmt: skip
+    full = padded.view(4, Mq, BM, Nk, BN).all(4).all(2).flatten(0, 1)
+    expected = [
+        (torch.nonzero(f)[:, 0].tolist(), torch.nonzero(l & ~f)[:, 0].tolist()) for l, f in zip(live, full)
+    ]
+    rows = schedule.block_lists(BM, BN).rows()
+    assert rows == expected
+    assert any(f for f, _ in rows) and any(p for _, p in rows)  # both kinds occur
 
 
 @pytest.mark.parametrize("Tq", [70, 33, 1])
