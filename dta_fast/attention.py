@@ -14,7 +14,9 @@ autograd Function and the public ``tree_attention``.
   consecutive keys these ranges chain, so a key block's live queries are one
   contiguous range. The kernel walks it directly, summing over the query
   heads of its GQA group in registers: no atomics, bitwise deterministic.
-- Blocks whose every (query, key) pair is visible skip the mask.
+- Blocks whose every (query, key) pair is visible (full blocks) run in a loop
+  of their own, without mask code: the lists hold a row's full key blocks
+  first, and a key block's full query blocks are a contiguous run.
 - dK/dV programs start longest first (``TreeSchedule.key_block_order``),
   the heads of one key block side by side: the key blocks of a shared prompt
   walk every query, and launched in place they would start last for the
