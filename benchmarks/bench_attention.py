@@ -1,6 +1,7 @@
 """Tree attention forward+backward against its peers, on one GPU.
 
     python benchmarks/bench_attention.py [--shapes grpo dualkv agentic qwen2] [--out DIR]
+    python benchmarks/bench_attention.py --plot RESULTS.json [--out DIR]   # the table and plot of a run
 
 Methods, each forward + backward:
   tree        dta_fast.tree_attention over the packed tree, its schedule built once outside the timing
@@ -238,7 +239,7 @@ def print_table(rows):
               + f" {r.get('fwd_speedup_vs_flex', float('nan')):>10.2f}")  # fmt: skip
 
 
-def plot(rows, path):
+def plot(rows, path, gpu):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,8 +253,9 @@ def plot(rows, path):
         ax.bar(xs, [r[m]["tflops"] if m in r else 0 for r in rows], width, label=m)
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s of useful tree work (fwd+bwd)")
-    ax.set_title(f"Tree attention, {torch.cuda.get_device_name()}, bf16 (do_bench medians)")
-    ax.legend()
+    ax.set_title(f"Tree attention, {gpu}, bf16 (do_bench medians)")
+    ax.set_ylim(0, 1.2 * max(r[m]["tflops"] for r in rows for m in methods if m in r))
+    ax.legend(ncol=len(methods), loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -262,7 +264,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--plot", metavar="JSON", help="print the table and draw the plot of an earlier run's JSON")
     args = parser.parse_args()
+    if args.plot:
+        results = json.loads(Path(args.plot).read_text())
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        gpu = results["meta"]["gpu"]
+        plot(results["rows"], Path(args.out) / f"attention_{gpu.replace(' ', '_')}.png", gpu)
+        print_table(results["rows"])
+        return
     from torch.nn.attention.flex_attention import flex_attention
 
     flex_compiled = torch.compile(flex_attention)
@@ -278,7 +288,7 @@ def main():
             print(f"done: {shape['name']}", flush=True)
             torch.cuda.empty_cache()
             (out / f"attention_{gpu}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    plot(rows, out / f"attention_{gpu}.png")
+    plot(rows, out / f"attention_{gpu}.png", meta["gpu"])
     print_table(rows)
 
 
