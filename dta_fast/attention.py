@@ -345,17 +345,25 @@ def _load_tile(ptrs, mask_rows, mask_d, ROWS_IN_RANGE: tl.constexpr, EVEN_D: tl.
 
 
 @triton.jit
+def _key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
+    """Entry e of a block list (forward, dQ): its key positions, which of them are keys, its K and V tiles."""
+    offs_n = tl.load(KV_IDX + e) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < Tk
+    k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+    v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+    return offs_n, mask_n, k, v
+
+
+@triton.jit
 def _fwd_key_blocks(
     acc, l_i, m_i, q, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the key blocks KV_IDX[lo:hi]: all full (MASKED false) or all partly visible."""
     for e in range(lo, hi):
-        n = tl.load(KV_IDX + e)
-        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Tk
-        k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
-        v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+        offs_n, mask_n, k, v = _key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
+                                          BLOCK_N, MASKED, EVEN_D)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
@@ -573,11 +581,8 @@ def _dq_key_blocks(
 ):  # fmt: skip
     """dQ summed over the key blocks KV_IDX[lo:hi]: all full (MASKED false) or all partly visible."""
     for e in range(lo, hi):
-        n = tl.load(KV_IDX + e)
-        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Tk
-        k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
-        v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+        offs_n, mask_n, k, v = _key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
+                                          BLOCK_N, MASKED, EVEN_D)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(s - lse[:, None])
         if MASKED:
