@@ -9,7 +9,7 @@ backward, ``triton.testing.do_bench`` medians, bf16, H=32, D=128 (8 K/V heads
 on the agentic row; ``--heads``, ``--kv-heads``, ``--head-dim`` for another
 shape), the schedule built once outside the timing; and the
 largest difference of each version's output and gradients from the first
-version's. Prints a table and writes compare_attention.json.
+version's. Prints a table and writes compare_attention_h{H}_d{D}.json.
 """
 
 from __future__ import annotations
