@@ -63,52 +63,68 @@ def _scaled_logits(hidden, weight, temperature):
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T / temperature) at ``targets`` of rows ``inverse``, and each row's entropy.
+    """log_softmax(hidden[rows] @ weight.T / temperature) at the (row, target) pairs, window by window, and
+    each row's entropy: one autograd node for every window of a call.
 
     Keeps no logits: the forward saves the rows' log-sum-exp (and entropy),
-    the backward recomputes the logits once and forms
+    the backward recomputes a window's logits once and forms
     d/dz = g_lp (onehot - p) - g_H p (log p + H) in place, a few passes over
-    [rows, V] instead of autograd's dozen.
+    [rows, V] instead of autograd's dozen. The windows' weight gradients are
+    summed into one buffer as they come (``addmm_``), so the backward holds
+    one weight-sized gradient and one window, not a running sum beside each
+    window's product (docs/chunked_execution.md, "Memory budget").
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, inverse, targets, temperature: float, with_entropy: bool):
-        z = _scaled_logits(hidden, weight, temperature)  # [R, V], float32 for half-precision models
-        lse = torch.logsumexp(z, dim=-1)  # [R]
-        picked = z[inverse, targets] - lse[inverse]  # [P]
-        entropy = None
-        if with_entropy:
-            logp = z.sub_(lse[:, None])
-            entropy = -(logp.exp() * logp).sum(-1)  # [R]
-        ctx.save_for_backward(hidden, weight, inverse, targets, lse, entropy)
-        ctx.temperature = temperature
+    def forward(ctx, hidden, weight, rows, inverse, targets, windows, temperature: float, with_entropy: bool):
+        lse, picked, entropy = [], [], []
+        for (u0, u1), (lo, hi) in windows:
+            z = _scaled_logits(hidden[rows[u0:u1]], weight, temperature)  # [R, V], float32 for half precision
+            lse.append(torch.logsumexp(z, dim=-1))  # [R]
+            inv = inverse[lo:hi] - u0
+            picked.append(z[inv, targets[lo:hi]] - lse[-1][inv])
+            if with_entropy:
+                logp = z.sub_(lse[-1][:, None])
+                entropy.append(-(logp.exp() * logp).sum(-1))
+        lse = torch.cat(lse)
+        entropy = torch.cat(entropy) if with_entropy else None
+        ctx.save_for_backward(hidden, weight, rows, inverse, targets, lse, entropy)
+        ctx.windows, ctx.temperature = windows, temperature
         ctx.set_materialize_grads(False)
-        return picked, entropy[inverse] if with_entropy else picked.new_zeros(0)
+        return torch.cat(picked), entropy[inverse] if with_entropy else lse.new_zeros(0)
 
     @staticmethod
     def backward(ctx, g_picked, g_entropy):
-        hidden, weight, inverse, targets, lse, entropy = ctx.saved_tensors
-        R = hidden.shape[0]
-        logp = _scaled_logits(hidden, weight, ctx.temperature).sub_(lse[:, None])  # [R, V]
-        grad = logp.exp()  # p
-        g_rows = torch.zeros(R, dtype=grad.dtype, device=grad.device)
-        if g_picked is not None:
-            g_rows.index_add_(0, inverse, g_picked.to(grad.dtype))
-        if g_entropy is not None and entropy is not None:
-            h_rows = torch.zeros_like(g_rows).index_add_(0, inverse, g_entropy.to(grad.dtype))
-            # dH/dz = -p (log p + H): fold into one factor with the -p g_lp term
-            logp.add_(entropy[:, None]).mul_(h_rows[:, None]).add_(g_rows[:, None])
-            grad.mul_(logp).neg_()
-        else:
-            grad.mul_(-g_rows[:, None])
-        if g_picked is not None:
-            grad.index_put_((inverse, targets), g_picked.to(grad.dtype), accumulate=True)
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        grad = grad.to(weight.dtype)
-        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None
+        hidden, weight, rows, inverse, targets, lse, entropy = ctx.saved_tensors
+        with_entropy = g_entropy is not None and entropy is not None
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        for (u0, u1), (lo, hi) in ctx.windows:
+            h = hidden[rows[u0:u1]]
+            inv, tgt = inverse[lo:hi] - u0, targets[lo:hi]
+            logp = _scaled_logits(h, weight, ctx.temperature).sub_(lse[u0:u1, None])  # [R, V]
+            g_rows = torch.zeros(u1 - u0, dtype=logp.dtype, device=logp.device)
+            if g_picked is not None:
+                g_rows.index_add_(0, inv, g_picked[lo:hi].to(logp.dtype))
+            if with_entropy:
+                grad = logp.exp()  # p
+                h_rows = torch.zeros_like(g_rows).index_add_(0, inv, g_entropy[lo:hi].to(logp.dtype))
+                # dH/dz = -p (log p + H): fold into one factor with the -p g_lp term
+                logp.add_(entropy[u0:u1, None]).mul_(h_rows[:, None]).add_(g_rows[:, None])
+                grad.mul_(logp).neg_()
+            else:
+                grad = logp.exp_().mul_(-g_rows[:, None])  # in place: one float32 window, not two
+            del logp
+            if g_picked is not None:
+                grad.index_put_((inv, tgt), g_picked[lo:hi].to(grad.dtype), accumulate=True)
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows[u0:u1]] = grad @ weight  # rows are distinct
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad.T @ h if grad_weight is None else grad_weight.addmm_(grad.T, h)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _fusable(head) -> bool:
@@ -143,20 +159,17 @@ def rows_logprobs(
     bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
     pair_bounds = torch.searchsorted(inverse, bounds).tolist()
     bounds = bounds.tolist()
-    fused = _fusable(head)
+    windows = [(tuple(bounds[c : c + 2]), tuple(pair_bounds[c : c + 2])) for c in range(len(bounds) - 1)]
+    if _fusable(head):
+        out, ent = _HeadLogprobs.apply(hidden, head.weight, unique, inverse, targets, windows, temperature, entropy)
+        return (torch.stack([out, ent]) if entropy else out).to(dtype)
     # a window's logits are recomputed in the backward rather than kept, whenever there is one: also
     # when only the head trains (the hidden states then need no gradient)
     trains = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     picked, entropies = [], []
-    for c in range(len(bounds) - 1):
-        (u0, u1), (lo, hi) = bounds[c : c + 2], pair_bounds[c : c + 2]
-        args = (hidden[unique[u0:u1]], inverse[lo:hi] - u0, targets[lo:hi], temperature, entropy)
-        if fused:
-            lp, ent = _HeadLogprobs.apply(args[0], head.weight, *args[1:])
-        elif trains:
-            lp, ent = checkpoint(_window_logprobs, args[0], head, *args[1:], use_reentrant=False)
-        else:
-            lp, ent = _window_logprobs(args[0], head, *args[1:])
+    for (u0, u1), (lo, hi) in windows:
+        args = (hidden[unique[u0:u1]], head, inverse[lo:hi] - u0, targets[lo:hi], temperature, entropy)
+        lp, ent = checkpoint(_window_logprobs, *args, use_reentrant=False) if trains else _window_logprobs(*args)
         picked.append(lp)
         entropies.append(ent)
     out = torch.cat(picked)

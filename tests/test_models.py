@@ -242,6 +242,52 @@ def test_float64_head_keeps_float64():
     torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("entropy", [False, True], ids=["logprobs", "with_entropy"])
+def test_fused_head_over_windows(entropy):
+    """The fused head over several windows (rows read by several pairs, as at a branch point): the
+    logprobs, entropies and both gradients of a plain log_softmax, one autograd node for all windows,
+    and no window of logits saved for the backward."""
+    from dta_fast.logprobs import rows_logprobs
+
+    torch.manual_seed(16)
+    V, n = 300, 23
+    head = torch.nn.Linear(32, V, bias=False).double()
+    hidden = torch.randn(n, 32, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor(sorted(torch.randint(0, n, (40,)).tolist()))
+    targets = torch.randint(0, V, (40,))
+    saved = []
+
+    def pack(x):
+        saved.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        got = rows_logprobs(hidden, head, rows, targets, chunk_rows=4, temperature=0.7, entropy=entropy)
+    assert all(shape[-1:] != (V,) for shape in saved)  # no logits are kept (the weight is [V, 32])
+    heads = [node for node in _graph_nodes(got.grad_fn) if "HeadLogprobs" in type(node).__name__]
+    assert len(heads) == 1
+    logp = torch.log_softmax(head(hidden) / 0.7, -1)
+    want = logp[rows, targets]
+    if entropy:
+        want = torch.stack([want, -(logp.exp() * logp).sum(-1)[rows]])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(want)  # a loss that reads every output differently
+    for g_got, g_want in zip(torch.autograd.grad((got * weights).sum(), [hidden, head.weight]),
+                             torch.autograd.grad((want * weights).sum(), [hidden, head.weight])):  # fmt: skip
+        torch.testing.assert_close(g_got, g_want, rtol=1e-11, atol=1e-11)
+
+
+def _graph_nodes(root):
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return seen
+
+
 @pytest.mark.parametrize("hidden_trains", [True, False], ids=["hidden_trains", "head_only"])
 def test_unfused_head_keeps_no_logits_for_the_backward(hidden_trains):
     """A head the fused path does not take (a bias here, LoRA in practice) keeps at most one window of
