@@ -80,12 +80,19 @@ class _HeadLogprobs(torch.autograd.Function):
         lse, picked, entropy = [], [], []
         for (u0, u1), (lo, hi) in windows:
             z = _scaled_logits(hidden[rows[u0:u1]], weight, temperature)  # [R, V], float32 for half precision
-            lse.append(torch.logsumexp(z, dim=-1))  # [R]
             inv = inverse[lo:hi] - u0
-            picked.append(z[inv, targets[lo:hi]] - lse[-1][inv])
             if with_entropy:
+                lse.append(torch.logsumexp(z, dim=-1))  # [R]
+                picked.append(z[inv, targets[lo:hi]] - lse[-1][inv])
                 logp = z.sub_(lse[-1][:, None])
                 entropy.append(-(logp.exp() * logp).sum(-1))
+            else:  # logsumexp in place: no second window of logits
+                raw = z[inv, targets[lo:hi]]
+                top = z.amax(-1)
+                top = torch.where(top.isinf(), 0.0, top)  # as torch.logsumexp: an infinite max stays infinite
+                lse.append(z.sub_(top[:, None]).exp_().sum(-1).log_().add_(top))
+                picked.append(raw - lse[-1][inv])
+            del z
         lse = torch.cat(lse)
         entropy = torch.cat(entropy) if with_entropy else None
         ctx.save_for_backward(hidden, weight, rows, inverse, targets, lse, entropy)
@@ -124,6 +131,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_hidden[rows[u0:u1]] = grad @ weight  # rows are distinct
             if ctx.needs_input_grad[1]:
                 grad_weight = grad.T @ h if grad_weight is None else grad_weight.addmm_(grad.T, h)
+            del grad  # before the next window's logits
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
