@@ -16,7 +16,9 @@ for every method. Methods:
                recomputing each chunk's forward at its backward; tree_B_keep keeps the graphs
   tree_GGiB    dta_fast.tree_backward with memory_budget_bytes=G GiB (it picks the chunking)
 
-``speed`` gates every row: the tree methods' logprobs and gradients are
+``speed`` runs one warm-up step of each method (its result, gradients and peak), then the timed
+steps round-robin over the methods, so that a host that slows down during the run weighs on all
+of them alike; a row's time is the median of its timed steps. It gates every row: the tree methods' logprobs and gradients are
 compared with ``flat`` in the same run, within 5% relative L2 for gradients
 or twice the drift of ``flat_kernel`` from ``flat`` when that ran.
 ``memory`` trains agentic forests of growing size at a fixed path length and
@@ -153,21 +155,34 @@ def packed_step(model, tree, mask):
     return lp.detach()
 
 
+def timed_step(model, fn):
+    """Wall seconds and peak GiB of one step from unset gradients, and its result."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30, result
+
+
+def model_grads(model):
+    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
 def run_method(model, fn, repeats):
     """Wall seconds (median of ``repeats`` after one warm-up; with 0, of one cold step) and peak GiB."""
     times, peak, result = [], 0.0, None
     for r in range(repeats + 1 if repeats else 1):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        result = fn()
-        torch.cuda.synchronize()
+        seconds, step_peak, result = timed_step(model, fn)
         if r or not repeats:  # repeats=0: one cold step, nothing to warm up for
-            times.append(time.perf_counter() - t0)
-        peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-    return sorted(times)[len(times) // 2], peak, result, grads
+            times.append(seconds)
+        peak = max(peak, step_peak)
+    return sorted(times)[len(times) // 2], peak, result, model_grads(model)
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
 
 
 def rel(a, b):
@@ -225,6 +240,7 @@ def speed(args):
         row = dict(batch=name, model=args.model, sequences=tree.num_sequences, flat_tokens=tree.flat_tokens,
                    tree_tokens=tree.num_tokens, ideal_speedup=flat_flops / tree_flops, methods={})  # fmt: skip
         reference, fractions = None, {}  # budget rows: their total budget as a fraction of flat's peak
+        timed = {}  # label -> (step, timed repeats)
         while methods:
             label, fn = next(iter(methods.items()))
             del methods[label]
@@ -243,8 +259,10 @@ def speed(args):
                 if label in fractions:
                     entry["flat_peak_fraction"] = fractions[label]
                 fn = lambda o=opts: dta_fast.tree_backward(model, tree, loss_fn, **o)[0]  # noqa: E731
-            try:
-                seconds, peak, lp, grads = run_method(model, fn, args.flat_repeats if label == "flat" else args.repeats)
+            repeats = args.flat_repeats if label == "flat" else args.repeats
+            try:  # the warm-up step: its result, gradients and peak (its time only with --repeats 0)
+                seconds, peak, lp = timed_step(model, fn)
+                grads = model_grads(model)
             except torch.cuda.OutOfMemoryError:
                 row["methods"][label] = dict(entry, oom=True)
                 print(f"{name}: {label} out of memory", flush=True)
@@ -255,6 +273,8 @@ def speed(args):
                 torch.cuda.empty_cache()
                 continue
             entry.update(seconds=seconds, peak_gib=peak, tokens_per_s=tree.flat_tokens / seconds)
+            if repeats:
+                timed[label] = (fn, repeats)
             if "plan" in entry:  # the estimate covers activations: add the weights and their gradients
                 entry["estimate_total_gib"] = entry["plan"]["estimate_gib"] + (params_bytes + grads_bytes) / 2**30
                 entry["estimate_over_peak"] = entry["estimate_total_gib"] / peak
@@ -277,7 +297,24 @@ def speed(args):
             row["methods"][label] = entry
             del grads
             torch.cuda.empty_cache()
-            print(f"{name}: {label} {seconds:.3f} s, {peak:.1f} GiB {entry.get('plan', '')}", flush=True)
+            print(f"{name}: {label} warm-up {seconds:.3f} s, {peak:.1f} GiB {entry.get('plan', '')}", flush=True)
+        # The timed steps go round-robin over the methods: these steps are host-bound, and a host that
+        # slows down during a run (by 10-20% here) would otherwise weigh most on the methods run last.
+        times = {label: [] for label in timed}
+        for r in range(max((repeats for _, repeats in timed.values()), default=0)):
+            for label, (fn, repeats) in timed.items():
+                if r < repeats:
+                    seconds, peak, _ = timed_step(model, fn)
+                    times[label].append(seconds)
+                    entry = row["methods"][label]
+                    entry["peak_gib"] = max(entry["peak_gib"], peak)
+                    if "estimate_total_gib" in entry:
+                        entry["estimate_over_peak"] = entry["estimate_total_gib"] / entry["peak_gib"]
+        for label, values in times.items():
+            entry = row["methods"][label]
+            entry.update(seconds=median(values), step_seconds=values, tokens_per_s=tree.flat_tokens / median(values))
+            print(f"{name}: {label} {entry['seconds']:.3f} s, {entry['peak_gib']:.1f} GiB", flush=True)
+        model.zero_grad(set_to_none=True)
         base = row["methods"].get("flat", {}).get("seconds")
         for label, entry in row["methods"].items():
             if label == "flat_kernel":
