@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dta_ref
 from dta_ref import PrefixTree
@@ -189,3 +190,38 @@ def test_hf_tree_equals_flat_float64(family, impl, sequences, seed):
         # sanity: the exact copy is the same function (the float32 casts cost ~1e-5 relative, not more)
         assert_grads_close(flat_g[name], truth_g[name], rel=1e-3, name=f"{family}-{impl} flat {name} grad")
         check_against_truth(f"{family}-{impl} {name} grad", tree_g[name], flat_g[name], truth_g[name])
+
+
+@decoder_settings
+@given(
+    seed=seeds(),
+    n=st.integers(1, 30),
+    pairs=st.integers(1, 50),
+    chunk_rows=st.integers(1, 12),
+    temperature=st.sampled_from([1.0, 0.6, 1.7]),
+    entropy=st.booleans(),
+)
+def test_fused_head_matches_log_softmax(seed, n, pairs, chunk_rows, temperature, entropy):
+    """The vocabulary head in windows (rows read by several pairs, any window size): logprobs, entropies
+    and the gradients of the hidden states and of the weight equal a plain log_softmax's in float64."""
+    from dta_fast.logprobs import rows_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    V, H = 37, 8
+    head = torch.nn.Linear(H, V, bias=False).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g, dtype=torch.float64))
+    hidden = torch.randn(n, H, generator=g, dtype=torch.float64, requires_grad=True)
+    rows = torch.randint(0, n, (pairs,), generator=g).sort().values
+    targets = torch.randint(0, V, (pairs,), generator=g)
+    got = rows_logprobs(hidden, head, rows, targets, chunk_rows=chunk_rows, temperature=temperature, entropy=entropy)
+    logp = torch.log_softmax(head(hidden) / temperature, -1)
+    want = logp[rows, targets]
+    if entropy:
+        want = torch.stack([want, -(logp.exp() * logp).sum(-1)[rows]])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * upstream).sum(), [hidden, head.weight])
+    expected = torch.autograd.grad((want * upstream).sum(), [hidden, head.weight])
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
