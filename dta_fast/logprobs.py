@@ -9,6 +9,7 @@ is alive at a time, in the forward and in the backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -62,6 +63,16 @@ def _scaled_logits(hidden, weight, temperature):
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
+class _Window(NamedTuple):
+    """Rows ``rows[row_lo:row_hi]`` of the head's input and the (sequence, step) pairs
+    ``[pair_lo, pair_hi)`` that read them: one window of logits."""
+
+    row_lo: int
+    row_hi: int
+    pair_lo: int
+    pair_hi: int
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """log_softmax(hidden[rows] @ weight.T / temperature) at the (row, target) pairs, window by window, and
     each row's entropy: one autograd node for every window of a call.
@@ -73,12 +84,13 @@ class _HeadLogprobs(torch.autograd.Function):
     summed into one buffer as they come (``addmm_``), so the backward holds
     one weight-sized gradient and one window, not a running sum beside each
     window's product (docs/chunked_execution.md, "Memory budget").
+    ``rows`` [U] are the distinct rows read, ``inverse`` [P] each pair's place in them.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, rows, inverse, targets, windows, temperature: float, with_entropy: bool):
         lse, picked, entropy = [], [], []
-        for (u0, u1), (lo, hi) in windows:
+        for u0, u1, lo, hi in windows:
             z = _scaled_logits(hidden[rows[u0:u1]], weight, temperature)  # [R, V], float32 for half precision
             inv = inverse[lo:hi] - u0
             if with_entropy:
@@ -106,7 +118,7 @@ class _HeadLogprobs(torch.autograd.Function):
         with_entropy = g_entropy is not None and entropy is not None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
-        for (u0, u1), (lo, hi) in ctx.windows:
+        for u0, u1, lo, hi in ctx.windows:
             h = hidden[rows[u0:u1]]
             inv, tgt = inverse[lo:hi] - u0, targets[lo:hi]
             logp = _scaled_logits(h, weight, ctx.temperature).sub_(lse[u0:u1, None])  # [R, V]
@@ -167,7 +179,7 @@ def rows_logprobs(
     bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
     pair_bounds = torch.searchsorted(inverse, bounds).tolist()
     bounds = bounds.tolist()
-    windows = [(tuple(bounds[c : c + 2]), tuple(pair_bounds[c : c + 2])) for c in range(len(bounds) - 1)]
+    windows = [_Window(*bounds[c : c + 2], *pair_bounds[c : c + 2]) for c in range(len(bounds) - 1)]
     if _fusable(head):
         out, ent = _HeadLogprobs.apply(hidden, head.weight, unique, inverse, targets, windows, temperature, entropy)
         return (torch.stack([out, ent]) if entropy else out).to(dtype)
@@ -175,7 +187,7 @@ def rows_logprobs(
     # when only the head trains (the hidden states then need no gradient)
     trains = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     picked, entropies = [], []
-    for (u0, u1), (lo, hi) in windows:
+    for u0, u1, lo, hi in windows:
         args = (hidden[unique[u0:u1]], head, inverse[lo:hi] - u0, targets[lo:hi], temperature, entropy)
         lp, ent = checkpoint(_window_logprobs, *args, use_reentrant=False) if trains else _window_logprobs(*args)
         picked.append(lp)
