@@ -16,11 +16,13 @@ for every method. Methods:
                recomputing each chunk's forward at its backward; tree_B_keep keeps the graphs
   tree_GGiB    dta_fast.tree_backward with memory_budget_bytes=G GiB (it picks the chunking)
 
-``speed`` runs one warm-up step of each method (its result, gradients and peak), then the timed
-steps round-robin over the methods, so that a host that slows down during the run weighs on all
-of them alike; a row's time is the median of its timed steps. It gates every row: the tree methods' logprobs and gradients are
-compared with ``flat`` in the same run, within 5% relative L2 for gradients
-or twice the drift of ``flat_kernel`` from ``flat`` when that ran.
+``speed`` runs one warm-up step of each method (its result, gradients and
+peak), then the timed steps round-robin over the methods, so that a host
+that slows down during the run weighs on all of them alike; a row's time is
+the median of its timed steps. It gates every row: the tree methods'
+logprobs and gradients are compared with ``flat`` in the same run, within
+5% relative L2 for gradients or twice the drift of ``flat_kernel`` from
+``flat`` when that ran.
 ``memory`` trains agentic forests of growing size at a fixed path length and
 one forest of ~1M unique tokens with paths up to 32K, recording the peak
 memory. Both print a table and write JSON
@@ -178,7 +180,7 @@ def run_method(model, fn, repeats):
         if r or not repeats:  # repeats=0: one cold step, nothing to warm up for
             times.append(seconds)
         peak = max(peak, step_peak)
-    return sorted(times)[len(times) // 2], peak, result, model_grads(model)
+    return median(times), peak, result, model_grads(model)
 
 
 def median(values):
