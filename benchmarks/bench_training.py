@@ -211,9 +211,10 @@ def describe_plan(model, tree, options):
     """The plan tree_backward will pick with ``options`` (call with the gradients unset, as in the step)."""
     plan = _choose_plan(model, tree, torch.device("cuda"), options.get("max_chunk_tokens"),
                         options.get("memory_budget_bytes"), None, options.get("recompute"))  # fmt: skip
+    memory = MemoryModel.of(model)
     return dict(chunk_tokens=plan.size, recompute=plan.recompute, chunks=plan.num_chunks,
-                recomputed_tokens=plan.recomputed_tokens,
-                estimate_gib=MemoryModel.of(model).step_bytes(plan) / 2**30)  # fmt: skip
+                recomputed_tokens=plan.recomputed_tokens, logits_rows=plan.logits_rows or memory.logits_rows,
+                estimate_gib=memory.step_bytes(plan) / 2**30)  # fmt: skip
 
 
 def speed(args):
@@ -345,7 +346,8 @@ def print_speed(rows):
                 continue
             gate = "" if "gate_ok" not in e else ("ok" if e["gate_ok"] else "FAIL")
             plan = e.get("plan")
-            plan = f"{plan['chunk_tokens']} {'recompute' if plan['recompute'] else 'keep'} x{plan['chunks']}" if plan else ""
+            plan = (f"{plan['chunk_tokens']} {'recompute' if plan['recompute'] else 'keep'} x{plan['chunks']}, "
+                    f"windows of {plan['logits_rows']} rows") if plan else ""  # fmt: skip
             print(f"{row['batch']:<48} {label:<18} {e['seconds']:>8.3f} {e['tokens_per_s']:>10.0f} {e['peak_gib']:>9.1f} "
                   f"{e.get('estimate_total_gib', float('nan')):>8.1f} {e.get('speedup', float('nan')):>8.2f} {row['ideal_speedup']:>6.2f} "
                   f"{e.get('fraction_of_ideal', float('nan')):>8.2f} {gate:>5}  {plan}")  # fmt: skip

@@ -42,7 +42,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
-from .logprobs import LOGITS_CHUNK_ELEMENTS, LogprobPairs, rows_logprobs
+from .logprobs import LogprobPairs, rows_logprobs, window_rows
 
 # ------------------------------------------------------------------- the plan
 
@@ -124,6 +124,7 @@ class ChunkPlan:
     piece_owner: np.ndarray | None
     piece_lo: np.ndarray | None  # chunk-local
     piece_hi: np.ndarray | None
+    logits_rows: int | None = None  # rows of the vocabulary head's logits window (None: the default)
 
     @property
     def num_chunks(self) -> int:
@@ -157,7 +158,10 @@ class ChunkPlan:
 _PIECE_FIELDS = ("piece_ptr", "piece_owner", "piece_lo", "piece_hi")  # ChunkPlan's prefix pieces
 
 
-def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, with_prefix: bool = True) -> ChunkPlan:
+def plan_chunks(
+    tree: PrefixTree | _Forest, size: int, recompute: bool = False, with_prefix: bool = True,
+    logits_rows: int | None = None,
+) -> ChunkPlan:  # fmt: skip
     """Chunks of at most ``size`` tokens and their facts (docs/chunked_execution.md, "Where chunks stop").
 
     A chunk runs on while its tokens' subtrees stay within the ``max_end``
@@ -176,6 +180,7 @@ def plan_chunks(tree: PrefixTree | _Forest, size: int, recompute: bool = False, 
         keeps_graph=(facts["max_end"] <= stop) | (not recompute),
         **facts,
         **dict.fromkeys(_PIECE_FIELDS),
+        logits_rows=logits_rows,
     )
     return _with_prefix(forest, plan) if with_prefix else plan
 
@@ -335,7 +340,9 @@ class MemoryModel:
     activation: int  # what autograd saves per chunk token, all layers
     kv: int  # one token's K/V, all layers
     kv_grad: int  # its gradient accumulators (at least float32)
-    head: int  # the head's backward: a logits window and weight-sized gradients
+    head_row: int  # the head's backward, per row of its logits window
+    head_weight: int  # ... and beside the window: the weight-sized gradient the windows add into
+    logits_rows: int  # rows of the default window (a plan may run a smaller one)
     closing: int  # the end of a chunk's backward: the embedding's weight-sized gradients
     new_grads: int = 0  # parameter gradients the step creates: none exists yet when its first backward starts
 
@@ -346,22 +353,26 @@ class MemoryModel:
         vocab, w = weight.shape[0], weight.element_size()
         W = weight.numel() * w
         z = torch.finfo(logprob_dtype(weight.dtype)).bits // 8
-        window = max(1, LOGITS_CHUNK_ELEMENTS // vocab) * vocab  # logits of one window (logprobs.py)
         # a window's backward: its float32 gradient, formed in place of its log-probabilities, and the
         # gradient's cast (z + w per logit), beside the one buffer the windows' weight gradients are
         # summed into (W)
         cast = w if w != z else 0
-        head = (z + cast) * window + W
         kv, size = shape.layers * 2 * shape.kv_heads * shape.head_dim, shape.bytes_per_element
         return cls(
             # 2% over the closed form: autograd saved 0.2-1.6% more at six measured shapes
             activation=activation_bytes_per_token(model) * 51 // 50,
             kv=kv * size,
             kv_grad=kv * max(size, 4),
-            head=head,
+            head_row=(z + cast) * vocab,
+            head_weight=W,
+            logits_rows=window_rows(vocab),
             closing=2 * W,
             new_grads=_unset_grad_bytes(model),
         )
+
+    def head(self, logits_rows: int | None = None) -> int:
+        """The head's backward with a full window of ``logits_rows`` rows (None: the default)."""
+        return self.head_row * (logits_rows or self.logits_rows) + self.head_weight
 
     def step_bytes(self, plan: ChunkPlan) -> int:
         """The largest, over chunks, of what is alive when the chunk's backward starts (the head's) or ends.
@@ -369,37 +380,42 @@ class MemoryModel:
         Its graph holds its K/V copies: the concatenation of prefix and own K/V and the copy of its
         value rows that isolation makes (P + L tokens). With recompute, the graph is the running
         chunk's, and a chunk that stays open holds its own K/V twice (from its first forward, and in
-        the recomputed graph); without, every open chunk keeps its graph.
+        the recomputed graph); without, every open chunk keeps its graph. The head's window holds at
+        most the chunk's rows.
         """
         if plan.num_chunks == 0:
-            return self.head
+            return self.head_weight
         L, P = plan.lengths, plan.prefix_tokens
+        head = self.head_row * np.minimum(L, plan.logits_rows or self.logits_rows) + self.head_weight
         if plan.recompute:
             alive = self.activation * L + self.kv * (plan.held - L * plan.keeps_graph + P + L)
         else:
             alive = self.activation * plan.held + self.kv * (plan.held + plan.saved)
-        alive = alive + self.kv_grad * plan.graded + self.head
+        alive = alive + self.kv_grad * plan.graded + head
         alive[plan.first_close] -= self.new_grads
         ending = (self.kv + self.kv_grad) * plan.held + self.closing
         return int(max(alive.max(), ending.max()))
 
-    def floor_bytes(self, path: int, recompute: bool) -> int:
+    def floor_bytes(self, path: int, recompute: bool, logits_rows: int | None = None) -> int:
         """A lower bound on :meth:`step_bytes` over every chunk size, for a forest whose longest path
         holds ``path`` tokens (docs/chunked_execution.md, "Choosing the chunk size").
 
         When the chunk (L tokens) of a deepest token closes, the P ancestors of its first token are in
         open chunks and P >= path - L, so ``held`` >= P + L >= path. With recompute what is alive is
-        then at least activation L + kv (2 path - L), linear in L in [1, path]; without, (activation +
-        kv) path. Less the gradients not yet created, if it closes first; and the end of its
+        then at least activation L + kv (2 path - L) with the head's window of min(L, rows) rows,
+        concave in L in [1, path], so least at an end; without, (activation + kv) path and a window of
+        at least one row. Less the gradients not yet created, if it closes first; and the end of its
         backward holds (kv + kv_grad) path.
         """
         if path == 0:
-            return self.head
+            return self.head_weight
+        rows = logits_rows or self.logits_rows
+        one_row = self.activation + self.kv * (2 * path - 1) + self.head_row
         if recompute:
-            start = min(self.activation + self.kv * (2 * path - 1), (self.activation + self.kv) * path)
+            start = min(one_row, (self.activation + self.kv) * path + self.head_row * min(path, rows))
         else:
-            start = (self.activation + self.kv) * path
-        return max(start + self.head - self.new_grads, (self.kv + self.kv_grad) * path + self.closing)
+            start = (self.activation + self.kv) * path + self.head_row
+        return max(start + self.head_weight - self.new_grads, (self.kv + self.kv_grad) * path + self.closing)
 
 
 def _unset_grad_bytes(model) -> int:
@@ -462,11 +478,12 @@ EXHAUSTIVE_SEARCH_TOKENS = 1024
 
 
 def _largest_fitting_plan(
-    memory: MemoryModel, forest: _Forest, budget: int, recompute: bool, tolerance: float = 0.0
-) -> ChunkPlan:
+    memory: MemoryModel, forest: _Forest, budget: int, recompute: bool, tolerance: float = 0.0,
+    logits_rows: int | None = None,
+) -> ChunkPlan:  # fmt: skip
     """The plan (without prefix pieces) of the largest chunk size whose estimate fits ``budget``, or of
     one within ``tolerance`` (relative) of it where the next size up does not fit; ValueError when none
-    fits.
+    fits. Its head runs windows of ``logits_rows`` rows (None: the default).
 
     Every plan holds a deepest token's whole path open at some moment, which
     bounds the estimate from below and, with one chunk's worth of tokens on
@@ -487,16 +504,17 @@ def _largest_fitting_plan(
 
     def fits(size):
         if size not in memo:
-            plans[size] = plan_chunks(forest, size, recompute, with_prefix=False)
+            plans[size] = plan_chunks(forest, size, recompute, with_prefix=False, logits_rows=logits_rows)
             memo[size] = memory.step_bytes(plans[size])
         return memo[size] <= budget
 
     path = int(forest.depth.max()) + 1 if T else 0  # some moment holds a deepest token and its ancestors
     # a first guess: the path open with its K/V (stored and copied) and accumulators, then chunk tokens
-    open_path = memory.head + (2 * memory.kv + memory.kv_grad) * path + (0 if recompute else memory.activation * path)
+    head, floor_bytes = memory.head(logits_rows), memory.floor_bytes(path, recompute, logits_rows)
+    open_path = head + (2 * memory.kv + memory.kv_grad) * path + (0 if recompute else memory.activation * path)
     floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
     lo = hi = None  # fits(lo); hi does not fit
-    if memory.floor_bytes(path, recompute) <= budget:  # else nothing fits: no plan needed to say so
+    if floor_bytes <= budget:  # else nothing fits: no plan needed to say so
         per_token = memory.activation + 2 * memory.kv + memory.kv_grad
         # not below 1024 tokens: plans of small chunks cost the most, and halving finds them
         first = size = min(T, max(floor, 1024, (budget - open_path) // per_token))
@@ -535,7 +553,7 @@ def _largest_fitting_plan(
         if memo:
             smallest = f"the smallest estimate among the {len(memo)} chunk sizes tried is {min(memo.values()) / 2**30:.3f}"
         else:
-            smallest = f"every chunk size's estimate is at least {memory.floor_bytes(path, recompute) / 2**30:.3f}"
+            smallest = f"every chunk size's estimate is at least {floor_bytes / 2**30:.3f}"
         raise ValueError(
             f"memory budget of {budget / 2**30:.3f} GiB is too small: {smallest} GiB (the open chunks' K/V, the "
             "vocabulary head's backward and "
@@ -591,35 +609,68 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, r
 # this many tokens of forward work: measured 70-170 ms a chunk at the Qwen2-0.5B shape on an H100,
 # where a token's forward takes ~7 us; the automatic choice weighs it against recomputed tokens.
 CHUNK_OVERHEAD_TOKENS = 8192
+# A window of the vocabulary head costs a dozen launches each way: a fraction of a millisecond.
+WINDOW_OVERHEAD_TOKENS = 64
+# The head's windows the automatic choice tries: the default, then halved, at most this many times, on
+# plans of at most this many chunks (one chunk less saves most there, and their plans are quick: a
+# search over plans of ~700 chunks takes ~35 ms on a 1M-token forest, which a second would double).
+WINDOW_HALVINGS = 3
+WINDOW_TRADE_MAX_CHUNKS = 256
 
 
-def _step_cost(plan: ChunkPlan) -> float:
-    """Relative step time in token forwards: forward + backward (3), recomputed forwards, chunk overhead."""
-    return 3 * int(plan.lengths.sum()) + plan.recomputed_tokens + CHUNK_OVERHEAD_TOKENS * plan.num_chunks
+def _step_cost(memory: MemoryModel, plan: ChunkPlan) -> float:
+    """Relative step time in token forwards: forward + backward (3), recomputed forwards, the overheads of
+    chunks and of the head's windows (a chunk's rows are at most its tokens; a recomputed chunk runs its
+    windows twice)."""
+    windows = -(-plan.lengths // (plan.logits_rows or memory.logits_rows))
+    num_windows = int(windows.sum() + windows[~plan.keeps_graph].sum())
+    return (
+        3 * int(plan.lengths.sum()) + plan.recomputed_tokens
+        + CHUNK_OVERHEAD_TOKENS * plan.num_chunks + WINDOW_OVERHEAD_TOKENS * num_windows
+    )  # fmt: skip
 
 
 def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recompute: bool | None, strict: bool):
-    """The cheapest plan (:func:`_step_cost`) whose estimate fits ``budget``, over keep and recompute.
+    """The cheapest plan (:func:`_step_cost`) whose estimate fits ``budget``, over keep and recompute and
+    over the head's logits window.
 
-    With ``strict`` a budget nothing fits is a ValueError; without (the
-    automatic CUDA budget), the plan with the smallest estimate is tried.
+    The window starts at the default and halves while that makes the plan
+    cheaper: where the budget is tight, the memory a smaller window frees
+    lets larger chunks fit, and fewer chunks save more than the extra
+    windows cost (docs/chunked_execution.md, "Memory budget"). With
+    ``strict`` a budget nothing fits is a ValueError; without (the automatic
+    CUDA budget), the plan with the smallest estimate is tried.
     """
     modes = (False, True) if recompute is None else (bool(recompute),)
-    plans, errors = [], []
-    for mode in modes:
-        try:
-            # a size within 3% of the largest runs as fast: spare the last bisection steps
-            plans.append(_largest_fitting_plan(memory, forest, budget, mode, tolerance=1 / 32))
-        except ValueError as error:
-            errors.append(error)
-    if plans:
-        return _with_prefix(forest, min(plans, key=_step_cost))
+    best, errors = None, []
+
+    def cost(plan):
+        return _step_cost(memory, plan)
+
+    for halvings in range(WINDOW_HALVINGS + 1):
+        rows = max(1, memory.logits_rows >> halvings)
+        plans = []
+        for mode in modes:
+            try:
+                # a size within 3% of the largest runs as fast: spare the last bisection steps
+                plans.append(_largest_fitting_plan(memory, forest, budget, mode, tolerance=1 / 32, logits_rows=rows))
+            except ValueError as error:
+                errors.append(error)
+        cheapest = min(plans, key=cost, default=None)
+        if cheapest is not None and (best is None or cost(cheapest) < cost(best)):
+            best = cheapest
+        elif best is not None and (cheapest is None or cost(cheapest) > cost(best)):
+            break  # smaller windows would only add more of them (a tie goes on: it may free room later)
+        if best is not None and not 1 < best.num_chunks <= WINDOW_TRADE_MAX_CHUNKS or rows == 1:
+            break
+    if best is not None:
+        return _with_prefix(forest, best)
     if strict:
-        raise errors[-1]
+        raise errors[-1]  # the smallest window's: the estimate closest to the budget
     T = forest.num_tokens
     sizes = {T} | {2**i for i in range(8, T.bit_length())}
-    smallest = min((plan_chunks(forest, size, True, with_prefix=False) for size in sorted(sizes)), key=memory.step_bytes)
-    return _with_prefix(forest, smallest)
+    plans = (plan_chunks(forest, size, True, with_prefix=False, logits_rows=rows) for size in sorted(sizes))
+    return _with_prefix(forest, min(plans, key=memory.step_bytes))
 
 
 # Share of the free device memory the automatic budget gives the estimate: headroom for the caching
@@ -807,7 +858,8 @@ class _Engine:
             hidden = self.adapter.hidden_states(ids, positions, attend)[0]
             span = self.span(c)
             logprobs = rows_logprobs(
-                hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span], temperature=self.temperature
+                hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span], self.plan.logits_rows,
+                temperature=self.temperature,
             )
         return _ChunkPass(hidden, logprobs)
 

@@ -32,6 +32,11 @@ from .attention import INTERPRET, build_schedule, tree_attention
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 
 
+def window_rows(vocab: int) -> int:
+    """Rows of the head's default logits window: LOGITS_CHUNK_ELEMENTS logits."""
+    return max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+
+
 @dataclass
 class LogprobPairs:
     """The (sequence, step) slots that hold a logprob, sorted by the packed row they read."""
@@ -174,7 +179,7 @@ def rows_logprobs(
         out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
         return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is
     if chunk_rows is None:
-        chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
+        chunk_rows = window_rows(head.weight.shape[0])
     unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
     bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
     pair_bounds = torch.searchsorted(inverse, bounds).tolist()

@@ -10,6 +10,7 @@ import torch
 import dta_fast
 import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
+from dta_fast import engine
 from dta_fast.engine import MemoryModel, plan_chunks
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
 
@@ -150,6 +151,55 @@ def test_memory_budget_chooses_chunks():
     model.zero_grad(set_to_none=True)
     budget = dta_fast.estimated_step_bytes(model, tree, 3)
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=budget)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
+    """Where the budget is tight, a smaller logits window leaves room for larger chunks: the automatic
+    choice takes one where that makes the plan cheaper, never a costlier plan than the default
+    window's, stays within the budget, and the step runs that window to the per-sequence gradients."""
+    vocab = 2048  # a window row (16 KiB in float64) outweighs a token's activations (~9 KiB)
+    monkeypatch.setattr(dta_fast.logprobs, "LOGITS_CHUNK_ELEMENTS", 64 * vocab)
+    seqs = grpo_batch(1, 48, 6, 40, vocab_size=vocab, seed=3)
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64, vocab_size=vocab)
+    memory, forest = MemoryModel.of(model), engine._Forest.of(tree)
+    assert memory.logits_rows == 64
+
+    def cost(plan):
+        return engine._step_cost(memory, plan)
+
+    def default_window_plans(budget):
+        for mode in (False, True):
+            try:
+                yield engine._largest_fitting_plan(memory, forest, budget, mode, 1 / 32, memory.logits_rows)
+            except ValueError:
+                pass
+
+    traded = []
+    for size in range(8, tree.num_tokens, 8):
+        budget = memory.step_bytes(plan_chunks(tree, size, True))
+        plan = engine._plan_for_budget(memory, forest, budget, None, strict=True)
+        default = min(default_window_plans(budget), key=cost)
+        assert memory.step_bytes(plan) <= budget and cost(plan) <= cost(default)
+        if plan.logits_rows < memory.logits_rows:
+            assert plan.num_chunks < default.num_chunks
+            traded.append(budget)
+    assert traded
+    whole = memory.step_bytes(plan_chunks(tree, tree.num_tokens, False))
+    assert engine._plan_for_budget(memory, forest, whole, None, strict=True).logits_rows == memory.logits_rows
+
+    _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    model.zero_grad(set_to_none=True)
+    windows = []
+
+    def recording(hidden, head, rows, targets, chunk_rows=None, **options):
+        windows.append(chunk_rows)
+        return dta_fast.logprobs.rows_logprobs(hidden, head, rows, targets, chunk_rows, **options)
+
+    monkeypatch.setattr(engine, "rows_logprobs", recording)
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=traded[0])
+    assert windows and max(windows) < memory.logits_rows
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
