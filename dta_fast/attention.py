@@ -870,10 +870,15 @@ class TreeAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v_finite, o, lse)
         ctx.schedule, ctx.sm_scale = schedule, sm_scale
         ctx.mark_non_differentiable(lse)
+        # the LSE has no gradient to give: spare autograd a zero-filled one in every backward (a launch
+        # and an allocation, ~10% of a small call's host cost)
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
+        if do is None:  # the output reached no loss
+            return None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward(_last_dim_contiguous(do), q, k, v, o, lse, ctx.schedule, ctx.sm_scale)
         return dq, dk, dv, None, None
