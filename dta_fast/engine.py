@@ -42,7 +42,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
-from .logprobs import LogprobPairs, rows_logprobs, window_rows
+from .logprobs import HeadRows, LogprobPairs, head_logprobs, window_rows
 
 # ------------------------------------------------------------------- the plan
 
@@ -772,6 +772,9 @@ class _Engine:
         rows = self.pairs.rows.cpu().numpy()
         self.span_lo = np.searchsorted(rows, plan.start).tolist()
         self.span_hi = np.searchsorted(rows, plan.stop).tolist()
+        # every chunk's head rows and windows at once: no chunk waits for the GPU to learn its own
+        window = plan.logits_rows or window_rows(self.head.weight.shape[0])
+        self.head_rows = HeadRows.of_chunks(rows, self.span_lo + [rows.size], plan.start.tolist(), window, self.pairs.rows.device)
         self.out = out_logprobs
         self.open: dict[int, _OpenChunk] = {}
 
@@ -857,10 +860,7 @@ class _Engine:
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
             hidden = self.adapter.hidden_states(ids, positions, attend)[0]
             span = self.span(c)
-            logprobs = rows_logprobs(
-                hidden, self.head, self.pairs.rows[span] - a, self.pairs.targets[span], self.plan.logits_rows,
-                temperature=self.temperature,
-            )
+            logprobs = head_logprobs(hidden, self.head, self.head_rows[c], self.pairs.targets[span], self.temperature)
         return _ChunkPass(hidden, logprobs)
 
 

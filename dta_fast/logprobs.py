@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -163,6 +164,51 @@ def _window_logprobs(hidden, head, inverse, targets, temperature, entropy):
     return picked, entropy_of(logp)[inverse] if entropy else picked.new_zeros(0)
 
 
+class HeadRows(NamedTuple):
+    """What one call of the head reads: the distinct rows (``unique`` [U], ascending), each (sequence,
+    step) pair's place among them (``inverse`` [P]), and the windows over both."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    windows: list[_Window]
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, chunk_rows: int) -> "HeadRows":
+        """From ``rows`` [P] sorted ascending, on their device (it waits for the GPU: the window bounds
+        are read back)."""
+        unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
+        bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
+        return cls(unique, inverse, _windows(bounds.tolist(), torch.searchsorted(inverse, bounds).tolist()))
+
+    @classmethod
+    def of_chunks(cls, rows: np.ndarray, bounds: list[int], offsets: list[int], chunk_rows: int, device) -> list["HeadRows"]:
+        """Those of the calls of a chunked pass, planned on the host: ``rows`` [P] sorted, call c reads
+        the pairs ``bounds[c]:bounds[c + 1]`` (``bounds`` from 0 to P) with rows counted from
+        ``offsets[c]``; no row is read by two calls. One copy to ``device`` for all of them, so the calls
+        read nothing back."""
+        sizes = np.diff(bounds)
+        is_new = np.ones(rows.size, dtype=bool)
+        is_new[1:] = rows[1:] != rows[:-1]
+        place = np.cumsum(is_new) - 1  # each pair's row among all distinct rows
+        first = place[np.minimum(bounds[:-1], max(rows.size - 1, 0))] if rows.size else np.zeros(len(sizes), dtype=np.int64)
+        unique_all = torch.from_numpy(rows[is_new] - np.repeat(offsets, sizes)[is_new]).to(device)
+        inverse_host = place - np.repeat(first, sizes)
+        inverse_all = torch.from_numpy(inverse_host).to(device)
+        out = []
+        for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            inverse = inverse_host[lo:hi]
+            u = int(inverse[-1]) + 1 if hi > lo else 0
+            window_bounds = list(range(0, u, chunk_rows)) + [u]
+            pair_bounds = np.searchsorted(inverse, window_bounds).tolist()
+            unique = unique_all[first[c] : first[c] + u] if hi > lo else unique_all[:0]
+            out.append(cls(unique, inverse_all[lo:hi], _windows(window_bounds, pair_bounds)))
+        return out
+
+
+def _windows(bounds: list[int], pair_bounds: list[int]) -> list[_Window]:
+    return [_Window(*bounds[c : c + 2], *pair_bounds[c : c + 2]) for c in range(len(bounds) - 1)]
+
+
 def rows_logprobs(
     hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch.Tensor, chunk_rows=None,
     temperature: float = 1.0, entropy: bool = False,
@@ -174,17 +220,20 @@ def rows_logprobs(
     of ``chunk_rows`` rows, so at most one window of logits is alive in the
     forward and in the backward.
     """
-    dtype = logprob_dtype(hidden.dtype)
-    if rows.numel() == 0:
-        out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
-        return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is
     if chunk_rows is None:
         chunk_rows = window_rows(head.weight.shape[0])
-    unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
-    bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
-    pair_bounds = torch.searchsorted(inverse, bounds).tolist()
-    bounds = bounds.tolist()
-    windows = [_Window(*bounds[c : c + 2], *pair_bounds[c : c + 2]) for c in range(len(bounds) - 1)]
+    return head_logprobs(hidden, head, HeadRows.of(rows, chunk_rows), targets, temperature, entropy)
+
+
+def head_logprobs(
+    hidden: torch.Tensor, head, rows: HeadRows, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False,
+):  # fmt: skip
+    """:func:`rows_logprobs` with the rows and windows given (:class:`HeadRows`)."""
+    dtype = logprob_dtype(hidden.dtype)
+    unique, inverse, windows = rows
+    if inverse.numel() == 0:
+        out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
+        return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is
     if _fusable(head):
         out, ent = _HeadLogprobs.apply(hidden, head.weight, unique, inverse, targets, windows, temperature, entropy)
         return (torch.stack([out, ent]) if entropy else out).to(dtype)

@@ -225,3 +225,34 @@ def test_fused_head_matches_log_softmax(seed, n, pairs, chunk_rows, temperature,
     expected = torch.autograd.grad((want * upstream).sum(), [hidden, head.weight])
     for a, b in zip(grads, expected):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=seeds(),
+    tokens=st.integers(0, 60),
+    cuts=st.lists(st.integers(0, 60), max_size=6),
+    reads=st.integers(0, 3),
+    chunk_rows=st.integers(1, 9),
+)
+def test_head_rows_planned_for_all_chunks_equal_each_chunks_own(seed, tokens, cuts, reads, chunk_rows):
+    """The head rows and windows the engine plans on the host for every chunk at once equal those each
+    chunk would compute from its own pairs on the device (rows read by several pairs, rows no pair
+    reads, chunks without pairs)."""
+    import numpy as np
+
+    from dta_fast.logprobs import HeadRows
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.cat([torch.arange(tokens)] * reads + [torch.randint(0, max(tokens, 1), (tokens,), generator=g)])
+    rows = rows[rows < tokens].sort().values
+    starts = sorted({0, *(c for c in cuts if c < tokens)}) if tokens else [0]
+    stops = starts[1:] + [tokens]
+    bounds = np.searchsorted(rows.numpy(), starts).tolist() + [rows.numel()]
+    planned = HeadRows.of_chunks(rows.numpy(), bounds, starts, chunk_rows, "cpu")
+    assert len(planned) == len(starts)
+    for c, (start, stop) in enumerate(zip(starts, stops)):
+        own = HeadRows.of(rows[bounds[c] : bounds[c + 1]] - start, chunk_rows)
+        assert torch.equal(planned[c].unique, own.unique) and torch.equal(planned[c].inverse, own.inverse)
+        assert planned[c].windows == own.windows
+        assert bool((planned[c].unique < stop - start).all())

@@ -184,7 +184,7 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
         assert memory.step_bytes(plan) <= budget and cost(plan) <= cost(default)
         if plan.logits_rows < memory.logits_rows:
             assert plan.num_chunks < default.num_chunks
-            traded.append(budget)
+            traded.append((budget, plan.logits_rows))
     assert traded
     whole = memory.step_bytes(plan_chunks(tree, tree.num_tokens, False))
     assert engine._plan_for_budget(memory, forest, whole, None, strict=True).logits_rows == memory.logits_rows
@@ -193,13 +193,14 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
     model.zero_grad(set_to_none=True)
     windows = []
 
-    def recording(hidden, head, rows, targets, chunk_rows=None, **options):
-        windows.append(chunk_rows)
-        return dta_fast.logprobs.rows_logprobs(hidden, head, rows, targets, chunk_rows, **options)
+    def recording(hidden, head, rows, *args):
+        windows.extend(w.row_hi - w.row_lo for w in rows.windows)
+        return dta_fast.logprobs.head_logprobs(hidden, head, rows, *args)
 
-    monkeypatch.setattr(engine, "rows_logprobs", recording)
-    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=traded[0])
-    assert windows and max(windows) < memory.logits_rows
+    monkeypatch.setattr(engine, "head_logprobs", recording)
+    budget, rows = traded[0]
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_budget_bytes=budget)
+    assert max(windows) == rows  # chunks longer than the window: the plan's window, not the default
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
