@@ -222,7 +222,7 @@ class PrefixTree:
     @property
     def logprob_mask(self) -> torch.Tensor:
         """bool [N, Lmax-1]: True where a next-token logprob exists (t < len - 1)."""
-        t = torch.arange(self.max_length - 1)
+        t = torch.arange(self.max_length - 1, device=self.lengths.device)
         return t[None, :] < (self.lengths[:, None] - 1)
 
     def response_mask(self, prompt_lengths) -> torch.Tensor:
@@ -231,14 +231,14 @@ class PrefixTree:
         The loss mask of RL training: the logprobs of prompt tokens are
         computed (they are next-token predictions too) but never trained on.
         """
-        prompt_lengths = torch.as_tensor(prompt_lengths)
+        prompt_lengths = torch.as_tensor(prompt_lengths, device=self.lengths.device)
         if prompt_lengths.shape != (self.num_sequences,) or prompt_lengths.dtype.is_floating_point:
             raise ValueError(
                 f"prompt_lengths must be {self.num_sequences} integers, one per rollout, got {tuple(prompt_lengths.shape)}"
             )
         if (prompt_lengths < 1).any() or (prompt_lengths > self.lengths).any():
             raise ValueError("every prompt length must be between 1 and its rollout's length")
-        t = torch.arange(self.max_length - 1)
+        t = torch.arange(self.max_length - 1, device=self.lengths.device)
         return self.logprob_mask & (t[None, :] + 1 >= prompt_lengths[:, None])
 
     def sequence(self, i: int) -> torch.Tensor:

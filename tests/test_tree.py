@@ -183,6 +183,24 @@ def test_to_and_repr():
     assert repr(tree) == "PrefixTree(num_sequences=2, num_tokens=3, flat_tokens=4, compression_ratio=1.33)"
 
 
+def test_masks_live_on_the_trees_device():
+    """A tree moved to a device builds its masks there (the meta device stands in for a GPU on CPU)."""
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])
+    moved = tree.to("meta")
+    assert moved.logprob_mask.device.type == "meta" and moved.logprob_mask.shape == tree.logprob_mask.shape
+
+
+@pytest.mark.gpu
+def test_masks_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])
+    moved = tree.to("cuda")
+    assert torch.equal(moved.logprob_mask.cpu(), tree.logprob_mask)
+    for prompts in ([1, 2], torch.tensor([1, 2]), torch.tensor([1, 2], device="cuda")):
+        assert torch.equal(moved.response_mask(prompts).cpu(), tree.response_mask([1, 2]))
+
+
 def test_grpo_batch_compression_matches_formula():
     G, P, N, R = 2, 50, 4, 10
     batch = dta_ref.grpo_batch(num_groups=G, prompt_len=P, num_responses=N, response_len=R, seed=0)
