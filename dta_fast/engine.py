@@ -661,7 +661,7 @@ def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recomput
             best = cheapest
         elif best is not None and (cheapest is None or cost(cheapest) > cost(best)):
             break  # smaller windows would only add more of them (a tie goes on: it may free room later)
-        if best is not None and not 1 < best.num_chunks <= WINDOW_TRADE_MAX_CHUNKS or rows == 1:
+        if rows == 1 or (best is not None and not 1 < best.num_chunks <= WINDOW_TRADE_MAX_CHUNKS):
             break
     if best is not None:
         return _with_prefix(forest, best)
@@ -774,7 +774,9 @@ class _Engine:
         self.span_hi = np.searchsorted(rows, plan.stop).tolist()
         # every chunk's head rows and windows at once: no chunk waits for the GPU to learn its own
         window = plan.logits_rows or window_rows(self.head.weight.shape[0])
-        self.head_rows = HeadRows.of_chunks(rows, self.span_lo + [rows.size], plan.start.tolist(), window, self.pairs.rows.device)
+        self.head_rows = HeadRows.of_chunks(
+            rows, self.span_lo + [rows.size], plan.start.tolist(), window, self.pairs.rows.device
+        )
         self.out = out_logprobs
         self.open: dict[int, _OpenChunk] = {}
 

@@ -177,20 +177,24 @@ class HeadRows(NamedTuple):
         """From ``rows`` [P] sorted ascending, on their device (it waits for the GPU: the window bounds
         are read back)."""
         unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
-        bounds = torch.arange(0, unique.numel() + chunk_rows, chunk_rows, device=rows.device).clamp(max=unique.numel())
+        num = unique.numel()
+        bounds = torch.arange(0, num + chunk_rows, chunk_rows, device=rows.device).clamp(max=num)
         return cls(unique, inverse, _windows(bounds.tolist(), torch.searchsorted(inverse, bounds).tolist()))
 
     @classmethod
-    def of_chunks(cls, rows: np.ndarray, bounds: list[int], offsets: list[int], chunk_rows: int, device) -> list["HeadRows"]:
+    def of_chunks(
+        cls, rows: np.ndarray, bounds: list[int], offsets: list[int], chunk_rows: int, device
+    ) -> list["HeadRows"]:
         """Those of the calls of a chunked pass, planned on the host: ``rows`` [P] sorted, call c reads
         the pairs ``bounds[c]:bounds[c + 1]`` (``bounds`` from 0 to P) with rows counted from
         ``offsets[c]``; no row is read by two calls. One copy to ``device`` for all of them, so the calls
         read nothing back."""
-        sizes = np.diff(bounds)
+        starts, sizes = np.asarray(bounds[:-1], dtype=np.int64), np.diff(bounds)
         is_new = np.ones(rows.size, dtype=bool)
         is_new[1:] = rows[1:] != rows[:-1]
         place = np.cumsum(is_new) - 1  # each pair's row among all distinct rows
-        first = place[np.minimum(bounds[:-1], max(rows.size - 1, 0))] if rows.size else np.zeros(len(sizes), dtype=np.int64)
+        # each call's first distinct row (a call without pairs: any, it takes none)
+        first = place[np.minimum(starts, rows.size - 1)] if rows.size else np.zeros(sizes.size, dtype=np.int64)
         unique_all = torch.from_numpy(rows[is_new] - np.repeat(offsets, sizes)[is_new]).to(device)
         inverse_host = place - np.repeat(first, sizes)
         inverse_all = torch.from_numpy(inverse_host).to(device)
