@@ -230,11 +230,12 @@ def rows_logprobs(
 
 
 def head_logprobs(
-    hidden: torch.Tensor, head, rows: HeadRows, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False,
+    hidden: torch.Tensor, head, head_rows: HeadRows, targets: torch.Tensor, temperature: float = 1.0,
+    entropy: bool = False,
 ):  # fmt: skip
     """:func:`rows_logprobs` with the rows and windows given (:class:`HeadRows`)."""
     dtype = logprob_dtype(hidden.dtype)
-    unique, inverse, windows = rows
+    unique, inverse, windows = head_rows
     if inverse.numel() == 0:
         out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
         return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is

@@ -193,9 +193,9 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
     model.zero_grad(set_to_none=True)
     windows = []
 
-    def recording(hidden, head, rows, *args):
-        windows.extend(w.row_hi - w.row_lo for w in rows.windows)
-        return dta_fast.logprobs.head_logprobs(hidden, head, rows, *args)
+    def recording(hidden, head, head_rows, *args):
+        windows.extend(w.row_hi - w.row_lo for w in head_rows.windows)
+        return dta_fast.logprobs.head_logprobs(hidden, head, head_rows, *args)
 
     monkeypatch.setattr(engine, "head_logprobs", recording)
     budget, rows = traded[0]

@@ -9,6 +9,7 @@ prompt, a branch point, a rollout that is a prefix of another and a second root.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -129,6 +130,32 @@ def test_peft_lora_with_gradient_checkpointing(reentrant):
     model = lora_model("qwen2", seed=7)
     truth = copy.deepcopy(model).train()
     assert_matches_each_rollout_alone(checkpointing(model, reentrant), truth)
+
+
+def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
+    """tree_backward as a trainer calls it (LoRA, gradient checkpointing) on a plan whose vocabulary head
+    runs windows of 2 rows (what a tight budget may choose): the per-sequence gradients."""
+    pytest.importorskip("peft")
+    model = checkpointing(lora_model("qwen2", seed=12), reentrant=False)
+    truth = copy.deepcopy(model)
+    mask = TREE.logprob_mask
+    flat = dta_ref.flat_logprobs(truth, SEQUENCES)
+    dta_ref.sft_loss(flat, mask.to(DEVICE)).backward()
+    want_lp, want = flat.detach(), torch.cat([p.grad.reshape(-1) for p in truth.parameters() if p.requires_grad])
+    choose, windows = dta_fast.engine._choose_plan, []
+    monkeypatch.setattr(dta_fast.engine, "_choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2))
+
+    def recording(hidden, head, head_rows, *args):
+        windows.extend(w.row_hi - w.row_lo for w in head_rows.windows)
+        return dta_fast.logprobs.head_logprobs(hidden, head, head_rows, *args)
+
+    monkeypatch.setattr(dta_fast.engine, "head_logprobs", recording)
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(model, TREE, dta_ref.SFTLoss(mask), max_chunk_tokens=4)
+    assert max(windows) == 2
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 def test_peft_adapter_disabled_is_the_base_model():
