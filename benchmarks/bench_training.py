@@ -195,11 +195,14 @@ def tree_options(args, num_tokens):
     """label -> tree_backward keyword arguments of the hand-picked, budget and automatic rows."""
     options = {}
     for size in sorted({min(c, num_tokens) if c else num_tokens for c in args.chunks}):
+        label = "tree_all" if size >= num_tokens else f"tree_{size}"
         if size >= num_tokens:
             options["tree_all"] = dict(max_chunk_tokens=num_tokens)  # one chunk
-            continue
-        for recompute in (True, False) if args.keep else (None,):
-            options[f"tree_{size}" + ("_keep" if recompute is False else "")] = dict(max_chunk_tokens=size, recompute=recompute)
+        else:
+            for recompute in (True, False) if args.keep else (None,):
+                options[label + ("_keep" if recompute is False else "")] = dict(max_chunk_tokens=size, recompute=recompute)
+        if args.checkpoint:  # every layer checkpointed: keep mode (a chunk's graph is its layers' inputs)
+            options[label + "_ckpt"] = dict(max_chunk_tokens=size, recompute=False, checkpoint_layers=True)
     for gib in args.budgets:  # the engine picks chunk size and recompute from an activation budget
         options[f"tree_{gib:g}GiB"] = dict(memory_budget_bytes=int(gib * 2**30))
     if args.auto:
@@ -210,11 +213,12 @@ def tree_options(args, num_tokens):
 def describe_plan(model, tree, options):
     """The plan tree_backward will pick with ``options`` (call with the gradients unset, as in the step)."""
     plan = _choose_plan(model, tree, torch.device("cuda"), options.get("max_chunk_tokens"),
-                        options.get("memory_budget_bytes"), None, options.get("recompute"))  # fmt: skip
+                        options.get("memory_budget_bytes"), None, options.get("recompute"),
+                        options.get("checkpoint_layers"))  # fmt: skip
     memory = MemoryModel.of(model)
     return dict(chunk_tokens=plan.size, recompute=plan.recompute, chunks=plan.num_chunks,
                 recomputed_tokens=plan.recomputed_tokens, logits_rows=plan.logits_rows or memory.logits_rows,
-                estimate_gib=memory.step_bytes(plan) / 2**30)  # fmt: skip
+                checkpoint_layers=plan.checkpoint_layers, estimate_gib=memory.step_bytes(plan) / 2**30)  # fmt: skip
 
 
 def speed(args):
@@ -292,6 +296,9 @@ def speed(args):
                         options[budget_label] = dict(memory_budget_bytes=int(budget))
                         fractions[budget_label] = x
                         methods[budget_label] = None
+                        if args.checkpoint:  # the same budget without checkpointed layers, for comparison
+                            options[budget_label + "_no_ckpt"] = dict(memory_budget_bytes=int(budget), checkpoint_layers=False)
+                            methods[budget_label + "_no_ckpt"] = None
             elif reference is not None:
                 entry["logprob_max_abs_diff"] = (lp.float().cpu() - reference[0]).abs().max().item()
                 entry["grad_rel_err"] = rel(grads.cpu(), reference[1])
@@ -338,17 +345,18 @@ def speed(args):
 
 
 def print_speed(rows):
-    print(f"\n{'batch':<48} {'method':<18} {'s/step':>8} {'tok/s':>10} {'peak GiB':>9} {'est GiB':>8} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'gate':>5}  plan")
+    print(f"\n{'batch':<48} {'method':<24} {'s/step':>8} {'tok/s':>10} {'peak GiB':>9} {'est GiB':>8} {'speedup':>8} {'ideal':>6} {'of ideal':>8} {'gate':>5}  plan")
     for row in rows:
         for label, e in row["methods"].items():
             if e.get("oom") or e.get("error"):
-                print(f"{row['batch']:<48} {label:<18} {'out of memory' if e.get('oom') else e['error'][:60]:>20}")
+                print(f"{row['batch']:<48} {label:<24} {'out of memory' if e.get('oom') else e['error'][:60]:>20}")
                 continue
             gate = "" if "gate_ok" not in e else ("ok" if e["gate_ok"] else "FAIL")
             plan = e.get("plan")
             plan = (f"{plan['chunk_tokens']} {'recompute' if plan['recompute'] else 'keep'} x{plan['chunks']}, "
-                    f"windows of {plan['logits_rows']} rows") if plan else ""  # fmt: skip
-            print(f"{row['batch']:<48} {label:<18} {e['seconds']:>8.3f} {e['tokens_per_s']:>10.0f} {e['peak_gib']:>9.1f} "
+                    f"windows of {plan['logits_rows']} rows"
+                    + (", checkpointed layers" if plan.get("checkpoint_layers") else "")) if plan else ""  # fmt: skip
+            print(f"{row['batch']:<48} {label:<24} {e['seconds']:>8.3f} {e['tokens_per_s']:>10.0f} {e['peak_gib']:>9.1f} "
                   f"{e.get('estimate_total_gib', float('nan')):>8.1f} {e.get('speedup', float('nan')):>8.2f} {row['ideal_speedup']:>6.2f} "
                   f"{e.get('fraction_of_ideal', float('nan')):>8.2f} {gate:>5}  {plan}")  # fmt: skip
         for label in ("auto", "tree_flatpeak"):
@@ -513,6 +521,8 @@ def main():
     parser.add_argument("--keep", action="store_true", help="also run each chunk size with recompute=False")
     parser.add_argument("--auto", action="store_true", help="a row with no chunking options (budget from free memory)")
     parser.add_argument("--flatpeak", action="store_true", help="a row whose budget is per-sequence training's peak")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="rows with checkpointed layers at each chunk size, and each budget row without them")
     parser.add_argument("--sweep", nargs="*", type=float, default=[], help="budget rows at these fractions of flat's peak")
     parser.add_argument("--flat-repeats", type=int, default=None, help="repeats of flat (default: --repeats)")
     parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out (flat always runs)")

@@ -29,6 +29,11 @@ CASES = {
     "qwen2-0.5b": [("grpo2k", 2048, True), ("grpo2k", 8192, True), ("grpo2k", 10240, False), ("grpo", 9067, True)],
     "qwen3-1.7b": [("grpo2k", 2048, True), ("grpo2k", 8192, True), ("grpo", 16384, True)],
 }
+# (batch, chunk size, recompute, checkpointed layers): with --checkpoint
+CHECKPOINT_CASES = {
+    "qwen2-0.5b": [("grpo2k", 10240, False, True), ("grpo2k", 2048, False, True), ("grpo", 8192, True, True)],
+    "qwen3-1.7b": [("grpo2k", 10240, False, True), ("grpo2k", 2048, False, True), ("grpo", 8192, True, True)],
+}
 MARK_BYTES = 1 << 20
 
 
@@ -58,14 +63,15 @@ def where(frames, head_bytes, grad_sizes, size):
     return "[backward] other"
 
 
-def snapshot(model, marks, batch, size, recompute):
+def snapshot(model, marks, batch, size, recompute, checkpoint_layers=False):
     tree = dta_fast.build_tree(BATCHES[batch][1]())
     loss = SFTLoss(tree.logprob_mask)
-    step = lambda: dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=size, recompute=recompute)  # noqa: E731
+    options = dict(max_chunk_tokens=size, recompute=recompute, checkpoint_layers=checkpoint_layers)
+    step = lambda: dta_fast.tree_backward(model, tree, loss, **options)  # noqa: E731
     step()
     model.zero_grad(set_to_none=True)
     gc.collect(), torch.cuda.empty_cache(), torch.cuda.synchronize()
-    estimate = engine.estimated_step_bytes(model, tree, size, recompute)  # gradients unset, as in the step
+    estimate = engine.estimated_step_bytes(model, tree, size, recompute, checkpoint_layers)  # gradients unset, as in the step
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     marks.labels.clear()
@@ -97,6 +103,7 @@ def snapshot(model, marks, batch, size, recompute):
         groups[line] += nbytes
     return dict(
         model=model.config.model_type, batch=batch, chunk_tokens=size, recompute=recompute,
+        checkpoint_layers=checkpoint_layers,
         peak_over_weights_gib=peak / 2**30, estimate_with_gradients_gib=(estimate + grads) / 2**30,
         estimate_over_peak=(estimate + grads) / peak, peak_at=peak_at,
         alive_at_peak_gib=[(line, nbytes / 2**30) for line, nbytes in groups.most_common(25)],
@@ -106,22 +113,24 @@ def snapshot(model, marks, batch, size, recompute):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--checkpoint", action="store_true", help="the cases with checkpointed layers")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     marks, rows = StepMarks(), []
     for name in args.models:
         model = build_model(name)
-        for case in CASES[name]:
+        for case in (CHECKPOINT_CASES if args.checkpoint else CASES)[name]:
             row = snapshot(model, marks, *case)
             rows.append(row)
-            print(f"\n{name} {case[0]} chunks of {case[1]} {'recompute' if case[2] else 'keep'}: peak {row['peak_over_weights_gib']:.2f} GiB "
+            print(f"\n{name} {case[0]} chunks of {case[1]} {'recompute' if case[2] else 'keep'}"
+                  f"{', checkpointed layers' if case[3:] and case[3] else ''}: peak {row['peak_over_weights_gib']:.2f} GiB "
                   f"over the weights, estimate + gradients {row['estimate_with_gradients_gib']:.2f} ({row['estimate_over_peak']:.3f}x), at {row['peak_at']}")  # fmt: skip
             for line, gib in row["alive_at_peak_gib"][:12]:
                 print(f"    {gib:7.3f} GiB  {line}")
         del model
         gc.collect(), torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "memory_snapshot.json"), "w") as f:
+    with open(os.path.join(args.out, f"memory_snapshot{'_checkpoint' if args.checkpoint else ''}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 

@@ -125,6 +125,7 @@ class ChunkPlan:
     piece_lo: np.ndarray | None  # chunk-local
     piece_hi: np.ndarray | None
     logits_rows: int | None = None  # rows of the vocabulary head's logits window (None: the default)
+    checkpoint_layers: bool = False  # every layer runs under activation checkpointing (ours or the model's)
 
     @property
     def num_chunks(self) -> int:
@@ -160,7 +161,7 @@ _PIECE_FIELDS = ("piece_ptr", "piece_owner", "piece_lo", "piece_hi")  # ChunkPla
 
 def plan_chunks(
     tree: PrefixTree | _Forest, size: int, recompute: bool = False, with_prefix: bool = True,
-    logits_rows: int | None = None,
+    logits_rows: int | None = None, checkpoint_layers: bool = False,
 ) -> ChunkPlan:  # fmt: skip
     """Chunks of at most ``size`` tokens and their facts (docs/chunked_execution.md, "Where chunks stop").
 
@@ -181,6 +182,7 @@ def plan_chunks(
         **facts,
         **dict.fromkeys(_PIECE_FIELDS),
         logits_rows=logits_rows,
+        checkpoint_layers=checkpoint_layers,
     )
     return _with_prefix(forest, plan) if with_prefix else plan
 
@@ -345,6 +347,11 @@ class MemoryModel:
     logits_rows: int  # rows of the default window (a plan may run a smaller one)
     closing: int  # the end of a chunk's backward: the embedding's weight-sized gradients
     new_grads: int = 0  # parameter gradients the step creates: none exists yet when its first backward starts
+    # with every layer under activation checkpointing (docs/chunked_execution.md, "Checkpointed layers"):
+    checkpointed: int = 0  # what a chunk's graph keeps per token: each layer's input
+    layer: int = 0  # one layer's activations and backward temporaries per token, while its backward recomputes it
+    layer_kv: int = 0  # one layer's K/V per token: its copies for attention live as long
+    model_checkpoints: bool = False  # the model checkpoints every layer itself (plans can only be so)
 
     @classmethod
     def of(cls, model) -> "MemoryModel":
@@ -358,9 +365,11 @@ class MemoryModel:
         # summed into (W)
         cast = w if w != z else 0
         kv, size = shape.layers * 2 * shape.kv_heads * shape.head_dim, shape.bytes_per_element
+        layer, trunk, own = _layer_bytes_per_token(shape), _trunk_bytes_per_token(shape), adapter.checkpointed_layers
+        checkpointed = shape.layers * shape.hidden * size + trunk + 2 * shape.head_dim * size  # + RoPE's cos, sin
         return cls(
             # 2% over the closed form: autograd saved 0.2-1.6% more at six measured shapes
-            activation=activation_bytes_per_token(model) * 51 // 50,
+            activation=((shape.layers - own) * layer + own * shape.hidden * size + trunk) * 51 // 50,
             kv=kv * size,
             kv_grad=kv * max(size, 4),
             head_row=(z + cast) * vocab,
@@ -368,6 +377,11 @@ class MemoryModel:
             logits_rows=window_rows(vocab),
             closing=2 * W,
             new_grads=_unset_grad_bytes(model),
+            checkpointed=checkpointed * 51 // 50,
+            # ... and its backward's temporaries: about three MLP-intermediate-sized gradients
+            layer=(layer + 3 * shape.intermediate * size) * 51 // 50,
+            layer_kv=kv * size // shape.layers,
+            model_checkpoints=own == shape.layers,
         )
 
     def head(self, logits_rows: int | None = None) -> int:
@@ -387,16 +401,36 @@ class MemoryModel:
             return self.head_weight
         L, P = plan.lengths, plan.prefix_tokens
         head = self.head_row * np.minimum(L, plan.logits_rows or self.logits_rows) + self.head_weight
-        if plan.recompute:
+        if plan.checkpoint_layers:
+            # the graphs keep each layer's input. After the head's backward, a layer's activations and
+            # K/V copies (P + L tokens) live while its backward recomputes it, beside the head's
+            # weight-sized gradient (held until the tied embedding's joins it, or the embedding's own
+            # comes). In the step's first backward the parameter gradients appear layer by layer: at
+            # the last layer most exist and most inputs are gone, so the inputs count only where they
+            # outweigh the gradients still missing.
+            inputs = self.checkpointed * (L if plan.recompute else plan.held)
+            heads = inputs + head
+            layers = inputs + self.head_weight
+            heads[plan.first_close] -= self.new_grads
+            layers[plan.first_close] = max(layers[plan.first_close] - self.new_grads, 0)
+            alive = self.kv * plan.held + np.maximum(heads, layers + self.layer * L + self.layer_kv * (P + L))
+        elif plan.recompute:
             alive = self.activation * L + self.kv * (plan.held - L * plan.keeps_graph + P + L)
         else:
             alive = self.activation * plan.held + self.kv * (plan.held + plan.saved)
-        alive = alive + self.kv_grad * plan.graded + head
-        alive[plan.first_close] -= self.new_grads
-        ending = (self.kv + self.kv_grad) * plan.held + self.closing
+        if not plan.checkpoint_layers:
+            alive = alive + head
+            alive[plan.first_close] -= self.new_grads
+        alive = alive + self.kv_grad * plan.graded
+        # the end of its backward: the open chunks' K/V, the accumulators it filled (those of every open
+        # chunk under it, when it has a prefix) or found, and the embedding's gradients
+        graded = np.where(P > 0, np.maximum(plan.graded, plan.held - L), plan.graded)
+        ending = self.kv * plan.held + self.kv_grad * graded + self.closing
         return int(max(alive.max(), ending.max()))
 
-    def floor_bytes(self, path: int, recompute: bool, logits_rows: int | None = None) -> int:
+    def floor_bytes(
+        self, path: int, recompute: bool, logits_rows: int | None = None, checkpoint_layers: bool = False
+    ) -> int:
         """A lower bound on :meth:`step_bytes` over every chunk size, for a forest whose longest path
         holds ``path`` tokens (docs/chunked_execution.md, "Choosing the chunk size").
 
@@ -404,18 +438,21 @@ class MemoryModel:
         open chunks and P >= path - L, so ``held`` >= P + L >= path. With recompute what is alive is
         then at least activation L + kv (2 path - L) with the head's window of min(L, rows) rows,
         concave in L in [1, path], so least at an end; without, (activation + kv) path and a window of
-        at least one row. Less the gradients not yet created, if it closes first; and the end of its
-        backward holds (kv + kv_grad) path.
+        at least one row; with checkpointed layers, at least one token's layer inputs, kv path and one
+        row. Less the gradients not yet created, if it closes first; and the end of its backward holds
+        kv path.
         """
         if path == 0:
             return self.head_weight
         rows = logits_rows or self.logits_rows
         one_row = self.activation + self.kv * (2 * path - 1) + self.head_row
-        if recompute:
+        if checkpoint_layers:
+            start = self.checkpointed + self.kv * path + self.head_row
+        elif recompute:
             start = min(one_row, (self.activation + self.kv) * path + self.head_row * min(path, rows))
         else:
             start = (self.activation + self.kv) * path + self.head_row
-        return max(start + self.head_weight - self.new_grads, (self.kv + self.kv_grad) * path + self.closing)
+        return max(start + self.head_weight - self.new_grads, self.kv * path + self.closing)
 
 
 def _unset_grad_bytes(model) -> int:
@@ -424,21 +461,28 @@ def _unset_grad_bytes(model) -> int:
 
 
 def activation_bytes_per_token(model) -> int:
-    """Estimated bytes autograd saves per packed token for one forward + backward (all layers).
-
-    Per layer: two RMSNorms over the hidden size (each a float32 copy of its
-    input and its output), the inputs of the attention and MLP projections,
-    the queries and attention output, the chunk's own K/V, four MLP
-    intermediates, and the query/key norms' float32 copies where the model
-    has them (Qwen3).
-    """
+    """Estimated bytes autograd saves per packed token for one forward + backward (all layers, none of
+    them checkpointed)."""
     shape = adapt(model).shape
+    return shape.layers * _layer_bytes_per_token(shape) + _trunk_bytes_per_token(shape)
+
+
+def _layer_bytes_per_token(shape) -> int:
+    """What autograd saves per token in one decoder layer: two RMSNorms over the hidden size (each a
+    float32 copy of its input and its output), the inputs of the attention and MLP projections, the
+    queries and attention output, the chunk's own K/V, four MLP intermediates, and the query/key norms'
+    float32 copies where the model has them (Qwen3)."""
     hidden, size = shape.hidden, shape.bytes_per_element
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_layer = 2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
     if shape.qk_norm:
         per_layer += (q + kv) * (4 + size)
-    return shape.layers * per_layer + 4 * hidden * size
+    return per_layer
+
+
+def _trunk_bytes_per_token(shape) -> int:
+    """... and outside the layers (the final norm)."""
+    return 4 * shape.hidden * shape.bytes_per_element
 
 
 def _check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> int:
@@ -457,7 +501,9 @@ def _check_bytes(value, name: str, allow_zero: bool = False) -> int:
     return int(value)
 
 
-def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True) -> int:
+def estimated_step_bytes(
+    model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True, checkpoint_layers: bool | None = None
+) -> int:
     """Estimated activation memory of tree_backward with chunks of ``chunk_tokens``.
 
     Counts what the step allocates beyond the model's parameters, their
@@ -467,10 +513,23 @@ def estimated_step_bytes(model, tree: PrefixTree, chunk_tokens: int, recompute: 
     activations and K/V copies; without, those of every open chunk. Taken at
     the plan's worst moment. Gradients still unset (``None``) on the model
     are counted only from the end of the step's first backward, as the step
-    creates them then. benchmarks/bench_training.py measures the real peak.
+    creates them then. ``checkpoint_layers``: every layer under activation
+    checkpointing (None: as the model runs them; layers it checkpoints itself
+    through Hugging Face's ``gradient_checkpointing_enable()`` are counted so).
+    benchmarks/bench_training.py measures the real peak.
     """
     size = _check_chunk_tokens(chunk_tokens)
-    return MemoryModel.of(model).step_bytes(plan_chunks(tree, size, recompute))
+    memory = MemoryModel.of(model)
+    checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, memory)
+    return memory.step_bytes(plan_chunks(tree, size, recompute, checkpoint_layers=bool(checkpoint_layers)))
+
+
+def _check_checkpoint_layers(checkpoint_layers, memory: MemoryModel) -> bool | None:
+    """None (the plan decides) or a bool; True where the model checkpoints every layer itself: False adds
+    no checkpointing but cannot undo the model's own."""
+    if checkpoint_layers is not None and not isinstance(checkpoint_layers, bool):
+        raise TypeError(f"checkpoint_layers must be True, False or None, got {type(checkpoint_layers).__name__}")
+    return True if memory.model_checkpoints else checkpoint_layers
 
 
 # Below this many tokens a budget that the first sizes tried miss is checked against every size.
@@ -479,11 +538,12 @@ EXHAUSTIVE_SEARCH_TOKENS = 1024
 
 def _largest_fitting_plan(
     memory: MemoryModel, forest: _Forest, budget: int, recompute: bool, tolerance: float = 0.0,
-    logits_rows: int | None = None,
+    logits_rows: int | None = None, checkpoint_layers: bool = False,
 ) -> ChunkPlan:  # fmt: skip
     """The plan (without prefix pieces) of the largest chunk size whose estimate fits ``budget``, or of
     one within ``tolerance`` (relative) of it where the next size up does not fit; ValueError when none
-    fits. Its head runs windows of ``logits_rows`` rows (None: the default).
+    fits. Its head runs windows of ``logits_rows`` rows (None: the default), its layers under activation
+    checkpointing with ``checkpoint_layers``.
 
     Every plan holds a deepest token's whole path open at some moment, which
     bounds the estimate from below and, with one chunk's worth of tokens on
@@ -504,18 +564,21 @@ def _largest_fitting_plan(
 
     def fits(size):
         if size not in memo:
-            plans[size] = plan_chunks(forest, size, recompute, with_prefix=False, logits_rows=logits_rows)
+            plans[size] = plan_chunks(
+                forest, size, recompute, with_prefix=False, logits_rows=logits_rows, checkpoint_layers=checkpoint_layers
+            )
             memo[size] = memory.step_bytes(plans[size])
         return memo[size] <= budget
 
     path = int(forest.depth.max()) + 1 if T else 0  # some moment holds a deepest token and its ancestors
     # a first guess: the path open with its K/V (stored and copied) and accumulators, then chunk tokens
-    head, floor_bytes = memory.head(logits_rows), memory.floor_bytes(path, recompute, logits_rows)
-    open_path = head + (2 * memory.kv + memory.kv_grad) * path + (0 if recompute else memory.activation * path)
+    head, floor_bytes = memory.head(logits_rows), memory.floor_bytes(path, recompute, logits_rows, checkpoint_layers)
+    activation = memory.checkpointed if checkpoint_layers else memory.activation
+    open_path = head + (2 * memory.kv + memory.kv_grad) * path + (0 if recompute else activation * path)
     floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
     lo = hi = None  # fits(lo); hi does not fit
     if floor_bytes <= budget:  # else nothing fits: no plan needed to say so
-        per_token = memory.activation + 2 * memory.kv + memory.kv_grad
+        per_token = activation + 2 * memory.kv + memory.kv_grad
         # not below 1024 tokens: plans of small chunks cost the most, and halving finds them
         first = size = min(T, max(floor, 1024, (budget - open_path) // per_token))
         if fits(size):
@@ -557,7 +620,7 @@ def _largest_fitting_plan(
         raise ValueError(
             f"memory budget of {budget / 2**30:.3f} GiB is too small: {smallest} GiB (the open chunks' K/V, the "
             "vocabulary head's backward and "
-            f"{memory.activation / 2**20:.2f} MiB of activations per chunk token"
+            f"{activation / 2**20:.2f} MiB of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
     fitted = [lo]  # sizes that fit, in the order found (increasing)
@@ -621,28 +684,62 @@ WINDOW_TRADE_MAX_CHUNKS = 256
 def _step_cost(memory: MemoryModel, plan: ChunkPlan) -> float:
     """Relative step time in token forwards: forward + backward (3), recomputed forwards, the overheads of
     chunks and of the head's windows (a chunk's rows are at most its tokens; a recomputed chunk runs its
-    windows twice)."""
+    windows twice). Checkpointed layers run every chunk's forward once more in its backward, which
+    costs its tokens and a third of a chunk's overhead (a forward of every layer)."""
     windows = -(-plan.lengths // (plan.logits_rows or memory.logits_rows))
     num_windows = int(windows.sum() + windows[~plan.keeps_graph].sum())
+    tokens = int(plan.lengths.sum())
+    chunk = CHUNK_OVERHEAD_TOKENS * (4 if plan.checkpoint_layers else 3) // 3
     return (
-        3 * int(plan.lengths.sum()) + plan.recomputed_tokens
-        + CHUNK_OVERHEAD_TOKENS * plan.num_chunks + WINDOW_OVERHEAD_TOKENS * num_windows
+        (4 if plan.checkpoint_layers else 3) * tokens + plan.recomputed_tokens
+        + chunk * plan.num_chunks + WINDOW_OVERHEAD_TOKENS * num_windows
     )  # fmt: skip
 
 
-def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recompute: bool | None, strict: bool):
-    """The cheapest plan (:func:`_step_cost`) whose estimate fits ``budget``, over keep and recompute and
-    over the head's logits window.
+def _plan_for_budget(
+    memory: MemoryModel, forest: _Forest, budget: int, recompute: bool | None, strict: bool,
+    checkpoint_layers: bool | None = None,
+) -> ChunkPlan:  # fmt: skip
+    """The cheapest plan (:func:`_step_cost`) whose estimate fits ``budget``, over keep and recompute, over
+    the head's logits window and, unless ``checkpoint_layers`` says, with or without checkpointed layers.
 
     The window starts at the default and halves while that makes the plan
     cheaper: where the budget is tight, the memory a smaller window frees
     lets larger chunks fit, and fewer chunks save more than the extra
-    windows cost (docs/chunked_execution.md, "Memory budget"). With
-    ``strict`` a budget nothing fits is a ValueError; without (the automatic
-    CUDA budget), the plan with the smallest estimate is tried.
+    windows cost (docs/chunked_execution.md, "Memory budget"). Checkpointed
+    layers keep a fraction of the activations, so where the budget cuts the
+    forest into many chunks, few larger ones may cost less, their forwards
+    run twice included. With ``strict`` a budget nothing fits is a
+    ValueError; without (the automatic CUDA budget), the plan with the
+    smallest estimate is tried.
     """
     modes = (False, True) if recompute is None else (bool(recompute),)
     best, errors = None, []
+    for checkpoint in (False, True) if checkpoint_layers is None else (checkpoint_layers,):
+        if checkpoint and best is not None and best.num_chunks == 1:
+            break  # one chunk as the model runs: nothing is cheaper
+        plan = _cheapest_over_windows(memory, forest, budget, modes, checkpoint, errors)
+        if plan is not None and (best is None or _step_cost(memory, plan) < _step_cost(memory, best)):
+            best = plan
+    if best is not None:
+        return _with_prefix(forest, best)
+    if strict:
+        raise errors[-1]  # the last search's smallest window: the estimate closest to the budget
+    T = forest.num_tokens
+    sizes = {T} | {2**i for i in range(8, T.bit_length())}
+    checkpoint = checkpoint_layers is not False
+    rows = max(1, memory.logits_rows >> WINDOW_HALVINGS)
+    plans = (
+        plan_chunks(forest, size, True, with_prefix=False, logits_rows=rows, checkpoint_layers=checkpoint)
+        for size in sorted(sizes)
+    )
+    return _with_prefix(forest, min(plans, key=memory.step_bytes))
+
+
+def _cheapest_over_windows(memory, forest, budget, modes, checkpoint_layers, errors) -> ChunkPlan | None:
+    """The cheapest fitting plan over ``modes`` and the head's windows (the default, then halved while
+    that makes the plan cheaper); None where none fits, the reasons added to ``errors``."""
+    best = None
 
     def cost(plan):
         return _step_cost(memory, plan)
@@ -653,7 +750,9 @@ def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recomput
         for mode in modes:
             try:
                 # a size within 3% of the largest runs as fast: spare the last bisection steps
-                plans.append(_largest_fitting_plan(memory, forest, budget, mode, tolerance=1 / 32, logits_rows=rows))
+                plans.append(_largest_fitting_plan(
+                    memory, forest, budget, mode, tolerance=1 / 32, logits_rows=rows, checkpoint_layers=checkpoint_layers
+                ))  # fmt: skip
             except ValueError as error:
                 errors.append(error)
         cheapest = min(plans, key=cost, default=None)
@@ -663,14 +762,7 @@ def _plan_for_budget(memory: MemoryModel, forest: _Forest, budget: int, recomput
             break  # smaller windows would only add more of them (a tie goes on: it may free room later)
         if rows == 1 or (best is not None and not 1 < best.num_chunks <= WINDOW_TRADE_MAX_CHUNKS):
             break
-    if best is not None:
-        return _with_prefix(forest, best)
-    if strict:
-        raise errors[-1]  # the smallest window's: the estimate closest to the budget
-    T = forest.num_tokens
-    sizes = {T} | {2**i for i in range(8, T.bit_length())}
-    plans = (plan_chunks(forest, size, True, with_prefix=False, logits_rows=rows) for size in sorted(sizes))
-    return _with_prefix(forest, min(plans, key=memory.step_bytes))
+    return best
 
 
 # Share of the free device memory the automatic budget gives the estimate: headroom for the caching
@@ -860,7 +952,7 @@ class _Engine:
             # reentrant checkpointing warns of a forward without gradients; this one needs none
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
-            hidden = self.adapter.hidden_states(ids, positions, attend)[0]
+            hidden = self.adapter.hidden_states(ids, positions, attend, self.plan.checkpoint_layers)[0]
             span = self.span(c)
             logprobs = head_logprobs(hidden, self.head, self.head_rows[c], self.pairs.targets[span], self.temperature)
         return _ChunkPass(hidden, logprobs)
@@ -869,24 +961,27 @@ class _Engine:
 # ------------------------------------------------------------ tree_backward
 
 
-def _choose_plan(model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute):
+def _choose_plan(
+    model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute, checkpoint_layers
+):  # fmt: skip
     """The plan of this step: a given chunk size, a given budget, or on CUDA the free memory."""
     forest = _Forest.of(tree)
     T = forest.num_tokens
-    if max_chunk_tokens is not None:
-        size = min(max_chunk_tokens, T)
-        if recompute is None:  # on when chunked
-            plan = plan_chunks(forest, size, False)
-            return plan if plan.num_chunks == 1 else plan_chunks(forest, size, True)
-        return plan_chunks(forest, size, bool(recompute))
+    memory = MemoryModel.of(model)
+    checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, memory)
+    if max_chunk_tokens is not None or (memory_budget_bytes is None and device.type != "cuda"):
+        # a given size, or on CPU one chunk (one packed forward and backward); layers as the model runs them
+        size, checkpoint = min(max_chunk_tokens or T, T), bool(checkpoint_layers)
+        if recompute is None and max_chunk_tokens is not None:  # on when chunked
+            plan = plan_chunks(forest, size, False, checkpoint_layers=checkpoint)
+            return plan if plan.num_chunks == 1 else plan_chunks(forest, size, True, checkpoint_layers=checkpoint)
+        return plan_chunks(forest, size, bool(recompute), checkpoint_layers=checkpoint)
     if memory_budget_bytes is not None:
-        return _plan_for_budget(MemoryModel.of(model), forest, memory_budget_bytes, recompute, strict=True)
-    if device.type != "cuda":  # CPU: one chunk, one packed forward and backward
-        return plan_chunks(forest, T, bool(recompute))
+        return _plan_for_budget(memory, forest, memory_budget_bytes, recompute, True, checkpoint_layers)
     total = torch.cuda.get_device_properties(device).total_memory
     margin = total // 20 if memory_margin_bytes is None else memory_margin_bytes
     budget = int(AUTO_BUDGET_FRACTION * (_free_device_bytes(model, device) - margin))
-    return _plan_for_budget(MemoryModel.of(model), forest, max(budget, 1), recompute, strict=False)
+    return _plan_for_budget(memory, forest, max(budget, 1), recompute, False, checkpoint_layers)
 
 
 def tree_backward(
@@ -898,6 +993,7 @@ def tree_backward(
     memory_budget_bytes: int | None = None,
     memory_margin_bytes: int | None = None,
     recompute: bool | None = None,
+    checkpoint_layers: bool | None = None,
     attention_impl: str = "auto",
     temperature: float = 1.0,
 ):
@@ -925,6 +1021,13 @@ def tree_backward(
     the open chunks' K/V plus one chunk's activations; without it the open
     chunks keep their graphs. Default: on when chunked by ``max_chunk_tokens``;
     chosen with the chunk size under a budget.
+    ``checkpoint_layers``: run every decoder layer under activation
+    checkpointing (non-reentrant, this call only): a chunk keeps each layer's
+    input and its backward recomputes the layer, so much larger chunks fit a
+    budget for a second forward. Default: off with ``max_chunk_tokens`` and
+    on CPU, chosen with the chunk size under a budget. Layers the model
+    checkpoints itself (Hugging Face's ``gradient_checkpointing_enable()``, in
+    training mode) stay checkpointed, and the estimate counts them so.
     ``attention_impl``: "kernel" (Triton), "reference" (explicit mask, any
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
     ``temperature``: the logprobs are those of ``logits / temperature``, as
@@ -954,7 +1057,9 @@ def tree_backward(
     temperature = check_temperature(temperature)
 
     device = adapter.device
-    plan = _choose_plan(model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute)
+    plan = _choose_plan(
+        model, tree, device, max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute, checkpoint_layers
+    )
     tree = tree.to(device)
     if attention_impl == "auto":
         attention_impl = "kernel" if device.type == "cuda" else "reference"

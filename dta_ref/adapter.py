@@ -17,11 +17,13 @@ as for any forward.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import functools
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .hf import check_hf_model, hf_hidden_states, is_hf_model
 from .model import Decoder, causal_attend
@@ -96,6 +98,24 @@ class ModelAdapter:
         return self.core.embed if not self.is_hf else self.core.get_input_embeddings()
 
     @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, in order."""
+        return self.core.layers if not self.is_hf else self.core.model.layers
+
+    @property
+    def checkpointed_layers(self) -> int:
+        """How many decoder layers the model itself runs under activation checkpointing: Hugging Face's
+        ``gradient_checkpointing_enable()``, which checkpoints only in training mode. (Layers wrapped in
+        ``torch.utils.checkpoint`` by hand are not seen.)"""
+        if not self.is_hf:
+            return 0
+        base = self.core.model
+        if any(hasattr(layer, "gradient_checkpointing") for layer in self.layers):
+            return sum(bool(layer.gradient_checkpointing) and layer.training for layer in self.layers)
+        # transformers before GradientCheckpointingLayer: one flag on the base model
+        return len(self.layers) if getattr(base, "gradient_checkpointing", False) and base.training else 0
+
+    @property
     def vocab_size(self) -> int:
         return self.embedding.num_embeddings
 
@@ -137,18 +157,35 @@ class ModelAdapter:
 
     # ------------------------------------------------------------------- runs
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend, checkpoint_layers: bool = False
+    ) -> torch.Tensor:
         """Final normalised hidden states [B, T, hidden], every attention layer done by ``attend``.
 
         ``attend(layer_idx, q, k, v, scale)`` gets post-RoPE q [B, Hq, T, D] and
         k, v [B, Hkv, T, D] and returns [B, Hq, T, D]. It travels with the call,
         so a layer whose forward is recomputed under gradient checkpointing
         calls it again: it must not depend on state that is gone by then.
+        ``checkpoint_layers``: run every layer the model does not checkpoint
+        itself under non-reentrant activation checkpointing, for this call only.
         """
-        if self.data_parallel is not None and torch.is_grad_enabled():
-            with _forward_replaced(self.data_parallel.module, self._trunk):
-                return self.data_parallel(input_ids, position_ids, attend)
-        return self._trunk(input_ids, position_ids, attend)
+        with self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else ExitStack():
+            if self.data_parallel is not None and torch.is_grad_enabled():
+                with _forward_replaced(self.data_parallel.module, self._trunk):
+                    return self.data_parallel(input_ids, position_ids, attend)
+            return self._trunk(input_ids, position_ids, attend)
+
+    @contextmanager
+    def _checkpointing(self):
+        """Each decoder layer's ``forward`` under ``torch.utils.checkpoint`` (non-reentrant): the layer
+        keeps its inputs and recomputes the rest in the backward. The call's hooks (FSDP's) stay outside,
+        as with Hugging Face's own checkpointing; layers the model checkpoints itself are left as they are."""
+        all_own = self.checkpointed_layers == len(self.layers)
+        with ExitStack() as stack:
+            for layer in [] if all_own else self.layers:
+                if not (getattr(layer, "gradient_checkpointing", False) and layer.training):
+                    stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, layer.forward)))
+            yield
 
     def _trunk(self, input_ids, position_ids, attend):
         if self.is_hf:
@@ -184,11 +221,20 @@ def unsupported_model(model) -> TypeError:
     )
 
 
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 @contextmanager
 def _forward_replaced(module: nn.Module, forward):
-    """Make ``module(...)`` call ``forward`` for the duration (an instance attribute shadows the method)."""
+    """Make ``module(...)`` call ``forward`` for the duration (an instance attribute shadows the method;
+    one already there, as accelerate's hooks set, is put back)."""
+    before = module.__dict__.get("forward")
     module.forward = forward
     try:
         yield
     finally:
-        del module.forward
+        if before is None:
+            del module.forward
+        else:
+            module.forward = before

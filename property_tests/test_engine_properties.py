@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -82,15 +84,19 @@ def test_plan_prefix_is_the_path(sequences, size, recompute):
     check_plan(PrefixTree.from_sequences(sequences), size, recompute)
 
 
-@given(sequences=rollout_sets(max_sequences=12, max_len=30), recompute=st.booleans(), seed=seeds())
-def test_memory_floor_bounds_every_plan(sequences, recompute, seed):
+@given(
+    sequences=rollout_sets(max_sequences=12, max_len=30), recompute=st.booleans(), checkpoint=st.booleans(), seed=seeds()
+)
+def test_memory_floor_bounds_every_plan(sequences, recompute, checkpoint, seed):
     """MemoryModel.floor_bytes, which lets chunk_tokens_for_budget refuse a budget without planning,
-    is at most every chunk size's estimate."""
+    is at most every chunk size's estimate, with checkpointed layers or without."""
     tree = PrefixTree.from_sequences(sequences)
-    memory = MemoryModel.of(_model(seed % 3))
-    floor = memory.floor_bytes(int(tree.lengths.max()), recompute)
-    estimates = [memory.step_bytes(plan_chunks(tree, size, recompute)) for size in range(1, tree.num_tokens + 1)]
-    assert floor <= min(estimates)
+    memory = MemoryModel.of(_model(seed % 3))  # gradients unset: the step creates them in its first backward
+    if seed % 2:
+        memory = dataclasses.replace(memory, new_grads=0)  # ... or set by an earlier step
+    floor = memory.floor_bytes(int(tree.lengths.max()), recompute, checkpoint_layers=checkpoint)
+    plans = (plan_chunks(tree, size, recompute, checkpoint_layers=checkpoint) for size in range(1, tree.num_tokens + 1))
+    assert floor <= min(memory.step_bytes(plan) for plan in plans)
 
 
 @given(

@@ -204,6 +204,118 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
+def _count_layer_forwards(model):
+    """A list that grows by one at every forward of a decoder layer's attention module, inside the
+    layer's ``forward`` (a checkpointed layer runs it twice: once more in its backward)."""
+    calls = []
+    for layer in engine.adapt(model).layers:
+        attention = layer.self_attn if hasattr(layer, "self_attn") else layer.attn
+        attention.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("kind", ["decoder", "qwen3"])
+def test_engine_checkpoints_layers(kind, chunk, recompute):
+    """checkpoint_layers=True: every layer's forward runs once more in its chunk's backward, the
+    gradients stay exact, and the layers are left as they were."""
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64) if kind == "decoder" else tiny_hf_model(kind, torch.float64, "sdpa")
+    rel = 1e-11 if kind == "decoder" else 1e-6  # Hugging Face models take RMSNorm through float32
+    ref_lp, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask, "sum"))
+    layers = engine.adapt(model).layers
+    calls = _count_layer_forwards(model)
+    runs = {}
+    for checkpoint in (False, True):
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        lp, _ = dta_fast.tree_backward(
+            model, tree, SFTLoss(tree.logprob_mask, "sum"), max_chunk_tokens=chunk, recompute=recompute,
+            checkpoint_layers=checkpoint,
+        )  # fmt: skip
+        runs[checkpoint] = len(calls)
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=rel)
+        assert_grads_close(grads_of(model), ref_grads, rel=rel)
+        assert all("forward" not in layer.__dict__ for layer in layers)
+    # one more forward of every layer for each chunk that runs a backward
+    plan = plan_chunks(tree, chunk or tree.num_tokens, recompute)
+    assert runs[True] - runs[False] == len(layers) * plan.num_chunks
+
+
+def test_layers_the_model_checkpoints_are_counted():
+    """A Hugging Face model with gradient_checkpointing_enable() in training mode keeps only its layers'
+    inputs: its estimate is that of checkpointed layers, every plan is one, and the engine wraps no
+    layer a second time."""
+    tree = PrefixTree.from_sequences(batch())
+    model = tiny_hf_model("qwen2", torch.float64, "sdpa")
+    plain = {c: dta_fast.estimated_step_bytes(model, tree, 5, True, c) for c in (False, True)}
+    assert plain[True] < plain[False] and dta_fast.estimated_step_bytes(model, tree, 5) == plain[False]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert engine.adapt(model).checkpointed_layers == 0  # transformers checkpoints in training mode only
+    model.train()
+    assert engine.adapt(model).checkpointed_layers == len(engine.adapt(model).layers)
+    memory = MemoryModel.of(model)
+    assert memory.model_checkpoints and memory.activation < MemoryModel.of(tiny_hf_model("qwen2")).activation
+    for checkpoint in (None, False, True):
+        assert dta_fast.estimated_step_bytes(model, tree, 5, True, checkpoint) == plain[True]
+    plan = engine._choose_plan(model, tree, torch.device("cpu"), None, 10**9, None, None, False)
+    assert plan.checkpoint_layers
+    calls = _count_layer_forwards(model)
+    dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=5, checkpoint_layers=True)
+    # the model's own checkpointing, not nested in ours: each layer once more per chunk's backward
+    plan = plan_chunks(tree, 5, True)
+    assert len(calls) == len(engine.adapt(model).layers) * (2 * plan.num_chunks + int((~plan.keeps_graph).sum()))
+
+
+def test_budget_checkpoints_layers_where_that_is_cheaper():
+    """Where the budget cuts the forest into many chunks, checkpointed layers fit few large ones: the
+    automatic choice takes them when the cost model says the second forward costs less than the chunks
+    it saves, stays within the budget, never picks a costlier plan than the best without, and the step
+    runs it to the per-sequence gradients. checkpoint_layers=False keeps them out."""
+    seqs = grpo_batch(1, 48, 6, 40, vocab_size=64, seed=4)
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    memory, forest = MemoryModel.of(model), engine._Forest.of(tree)
+    assert memory.checkpointed < memory.activation
+    chosen = []
+    for size in range(4, tree.num_tokens, 6):
+        budget = memory.step_bytes(plan_chunks(tree, size, True))
+        plan = engine._plan_for_budget(memory, forest, budget, None, True)
+        without = engine._plan_for_budget(memory, forest, budget, None, True, checkpoint_layers=False)
+        assert not without.checkpoint_layers and memory.step_bytes(plan) <= budget
+        assert engine._step_cost(memory, plan) <= engine._step_cost(memory, without)
+        if plan.checkpoint_layers:
+            assert plan.num_chunks < without.num_chunks
+            chosen.append(budget)
+    assert chosen
+    whole = memory.step_bytes(plan_chunks(tree, tree.num_tokens, False))
+    assert not engine._plan_for_budget(memory, forest, whole, None, True).checkpoint_layers
+
+    _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
+    calls = _count_layer_forwards(model)
+    for checkpoint in (None, False):
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        options = dict(memory_budget_bytes=chosen[0], checkpoint_layers=checkpoint)
+        dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), **options)
+        plan = engine._choose_plan(model, tree, torch.device("cpu"), None, chosen[0], None, None, checkpoint)
+        passes = plan.num_chunks * (2 if checkpoint is None else 1) + int((~plan.keeps_graph).sum())
+        assert plan.checkpoint_layers == (checkpoint is None) and len(calls) == passes * len(model.layers)
+        assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+def test_checkpoint_layers_must_be_a_bool():
+    tree = PrefixTree.from_sequences(batch())
+    model = tiny_decoder(torch.float64)
+    for bad in (1, "yes"):
+        with pytest.raises(TypeError, match="checkpoint_layers must be True, False or None"):
+            dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), checkpoint_layers=bad)
+        with pytest.raises(TypeError, match="checkpoint_layers"):
+            dta_fast.estimated_step_bytes(model, tree, 4, True, bad)
+
+
 def test_estimate_counts_gradients_from_the_first_backward():
     """Gradients the step creates (unset before it) are left out of the first close's moment only:
     the estimate from unset gradients is at most the one with them set, and less by at most their

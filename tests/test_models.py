@@ -158,6 +158,26 @@ def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["engine", "model-and-engine"])
+def test_peft_lora_with_checkpointed_layers(own):
+    """LoRA with the engine checkpointing its layers (checkpoint_layers=True), on a model that does not
+    checkpoint itself and on one that does (Hugging Face's, non-reentrant): the per-sequence gradients."""
+    pytest.importorskip("peft")
+    model = lora_model("qwen2", seed=13)
+    if own:
+        model = checkpointing(model, reentrant=False)
+    truth = copy.deepcopy(model)
+    mask = TREE.logprob_mask.to(DEVICE)
+    flat = dta_ref.flat_logprobs(truth, SEQUENCES)
+    dta_ref.sft_loss(flat, mask).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in truth.parameters() if p.requires_grad])
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(model, TREE, dta_ref.SFTLoss(mask), max_chunk_tokens=4, checkpoint_layers=True)
+    torch.testing.assert_close(lp, flat.detach(), rtol=1e-5, atol=1e-5)
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_peft_adapter_disabled_is_the_base_model():
     """TRL scores the reference policy of a LoRA model with its adapter disabled."""
     pytest.importorskip("peft")
