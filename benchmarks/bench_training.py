@@ -298,6 +298,7 @@ def speed(args):
                         methods[budget_label] = None
                         if args.checkpoint:  # the same budget without checkpointed layers, for comparison
                             options[budget_label + "_no_ckpt"] = dict(memory_budget_bytes=int(budget), checkpoint_layers=False)
+                            fractions[budget_label + "_no_ckpt"] = x
                             methods[budget_label + "_no_ckpt"] = None
             elif reference is not None:
                 entry["logprob_max_abs_diff"] = (lp.float().cpu() - reference[0]).abs().max().item()
@@ -439,7 +440,7 @@ def plan_timing(args):
                              ms=ms, chunk_tokens=size))  # fmt: skip
         try:
             ms, plan = best_ms(lambda: _plan_for_budget(memory, forest, int(gib * 2**30), None, True), 3)
-            chosen = dict(chunk_tokens=plan.size, recompute=plan.recompute)
+            chosen = dict(chunk_tokens=plan.size, recompute=plan.recompute, checkpoint_layers=plan.checkpoint_layers)
         except ValueError:
             ms, _ = best_ms(lambda: _raises(_plan_for_budget, memory, forest, int(gib * 2**30), None, True), 3)
             chosen = dict(chunk_tokens="too small")
@@ -471,9 +472,12 @@ def plot_budget(rows, path):
     fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False)
     for ax, row in zip(axes[0], rows):
         flat = row["methods"]["flat"]
-        points = sorted((e["flat_peak_fraction"] * row["flat_peak_gib"], e["seconds"], e["peak_gib"])
-                        for e in row["methods"].values() if "flat_peak_fraction" in e and "seconds" in e)  # fmt: skip
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="tree_backward, memory_budget_bytes")
+        for without, name in ((False, "tree_backward, memory_budget_bytes"), (True, "... with checkpoint_layers=False")):
+            points = sorted((e["flat_peak_fraction"] * row["flat_peak_gib"], e["seconds"], e["peak_gib"])
+                            for label, e in row["methods"].items()
+                            if "flat_peak_fraction" in e and "seconds" in e and label.endswith("_no_ckpt") == without)  # fmt: skip
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], "x--" if without else "o-", label=name)
         ax.axhline(flat["seconds"], ls="--", color="gray", label=f"per sequence: {flat['seconds']:.2f} s")
         ax.axvline(flat["peak_gib"], ls=":", color="gray", label=f"per sequence peak: {flat['peak_gib']:.1f} GiB")
         auto = row["methods"].get("auto", {})
