@@ -538,12 +538,12 @@ EXHAUSTIVE_SEARCH_TOKENS = 1024
 
 def _largest_fitting_plan(
     memory: MemoryModel, forest: _Forest, budget: int, recompute: bool, tolerance: float = 0.0,
-    logits_rows: int | None = None, checkpoint_layers: bool = False,
+    logits_rows: int | None = None, checkpoint_layers: bool = False, smallest: int = 1,
 ) -> ChunkPlan:  # fmt: skip
     """The plan (without prefix pieces) of the largest chunk size whose estimate fits ``budget``, or of
     one within ``tolerance`` (relative) of it where the next size up does not fit; ValueError when none
     fits. Its head runs windows of ``logits_rows`` rows (None: the default), its layers under activation
-    checkpointing with ``checkpoint_layers``.
+    checkpointing with ``checkpoint_layers``. Sizes under ``smallest`` are not tried.
 
     Every plan holds a deepest token's whole path open at some moment, which
     bounds the estimate from below and, with one chunk's worth of tokens on
@@ -575,7 +575,7 @@ def _largest_fitting_plan(
     head, floor_bytes = memory.head(logits_rows), memory.floor_bytes(path, recompute, logits_rows, checkpoint_layers)
     activation = memory.checkpointed if checkpoint_layers else memory.activation
     open_path = head + (2 * memory.kv + memory.kv_grad) * path + (0 if recompute else activation * path)
-    floor = max(1, T >> 14)  # smaller chunks are never worth their planning time on a large forest
+    floor = max(1, T >> 14, smallest)  # smaller chunks are never worth their planning time on a large forest
     lo = hi = None  # fits(lo); hi does not fit
     if floor_bytes <= budget:  # else nothing fits: no plan needed to say so
         per_token = activation + 2 * memory.kv + memory.kv_grad
@@ -599,9 +599,10 @@ def _largest_fitting_plan(
                         break
             # not found below: the estimate is not monotone in the size (fewer chunks, fewer saved
             # prefix copies), so other sizes may still fit: all of them on a small forest, else a
-            # ladder of ratio 2^(1/4) above the first guess
-            if lo is None:
-                ladder = range(1, T + 1) if T <= EXHAUSTIVE_SEARCH_TOKENS else sorted(
+            # ladder of ratio 2^(1/4) above the first guess (not for a search bounded below: the plan
+            # it could find is one that a cheaper one already beats but for such flukes)
+            if lo is None and smallest == 1:
+                ladder = range(floor, T + 1) if T <= EXHAUSTIVE_SEARCH_TOKENS else sorted(
                     {min(T, int(first * 2 ** (k / 4))) for k in range(1, 4 * T.bit_length() + 1)} - {first}
                 )
                 lo = next((size for size in ladder if fits(size)), None)
@@ -682,18 +683,25 @@ WINDOW_TRADE_MAX_CHUNKS = 256
 
 
 def _step_cost(memory: MemoryModel, plan: ChunkPlan) -> float:
-    """Relative step time in token forwards: forward + backward (3), recomputed forwards, the overheads of
-    chunks and of the head's windows (a chunk's rows are at most its tokens; a recomputed chunk runs its
-    windows twice). Checkpointed layers run every chunk's forward once more in its backward, which
-    costs its tokens and a third of a chunk's overhead (a forward of every layer)."""
+    """Relative step time in token forwards: a cost per token and per chunk (:func:`_cost_rates`),
+    recomputed forwards, and the overheads of the head's windows (a chunk's rows are at most its tokens;
+    a recomputed chunk runs its windows twice)."""
     windows = -(-plan.lengths // (plan.logits_rows or memory.logits_rows))
     num_windows = int(windows.sum() + windows[~plan.keeps_graph].sum())
-    tokens = int(plan.lengths.sum())
-    chunk = CHUNK_OVERHEAD_TOKENS * (4 if plan.checkpoint_layers else 3) // 3
+    per_token, per_chunk = _cost_rates(plan.checkpoint_layers)
     return (
-        (4 if plan.checkpoint_layers else 3) * tokens + plan.recomputed_tokens
-        + chunk * plan.num_chunks + WINDOW_OVERHEAD_TOKENS * num_windows
+        per_token * int(plan.lengths.sum()) + plan.recomputed_tokens
+        + per_chunk * plan.num_chunks + WINDOW_OVERHEAD_TOKENS * num_windows
     )  # fmt: skip
+
+
+def _cost_rates(checkpoint_layers: bool) -> tuple[int, int]:
+    """Token forwards a plan costs per token (forward and backward: 3) and per chunk. Checkpointed layers
+    run every chunk's forward once more in its backward: one more per token, and a third more per
+    chunk (a forward of every layer on the host)."""
+    if checkpoint_layers:
+        return 4, CHUNK_OVERHEAD_TOKENS * 4 // 3
+    return 3, CHUNK_OVERHEAD_TOKENS
 
 
 def _plan_for_budget(
@@ -714,18 +722,26 @@ def _plan_for_budget(
     smallest estimate is tried.
     """
     modes = (False, True) if recompute is None else (bool(recompute),)
-    best, errors = None, []
-    for checkpoint in (False, True) if checkpoint_layers is None else (checkpoint_layers,):
-        if checkpoint and best is not None and best.num_chunks == 1:
-            break  # one chunk as the model runs: nothing is cheaper
-        plan = _cheapest_over_windows(memory, forest, budget, modes, checkpoint, errors)
-        if plan is not None and (best is None or _step_cost(memory, plan) < _step_cost(memory, best)):
-            best = plan
-    if best is not None:
-        return _with_prefix(forest, best)
+    T = forest.num_tokens
+    found, errors = [], []
+    # checkpointed layers first: their few large chunks bound how small a chunk the search without them
+    # need try, as a plan of chunks of s tokens has at least T / s of them (planning many small chunks is
+    # what costs time)
+    for checkpoint in (True, False) if checkpoint_layers is None else (checkpoint_layers,):
+        smallest = 1
+        if found:
+            per_token, per_chunk = _cost_rates(checkpoint)
+            room = _step_cost(memory, found[0]) - per_token * T  # what its chunks may cost, at most
+            if room <= per_chunk:
+                continue
+            smallest = T * per_chunk // room + 1
+        plan = _cheapest_over_windows(memory, forest, budget, modes, checkpoint, errors, smallest)
+        if plan is not None:
+            found.append(plan)
+    if found:  # a tie goes to the plan without checkpointed layers
+        return _with_prefix(forest, min(found, key=lambda plan: (_step_cost(memory, plan), plan.checkpoint_layers)))
     if strict:
         raise errors[-1]  # the last search's smallest window: the estimate closest to the budget
-    T = forest.num_tokens
     sizes = {T} | {2**i for i in range(8, T.bit_length())}
     checkpoint = checkpoint_layers is not False
     rows = max(1, memory.logits_rows >> WINDOW_HALVINGS)
@@ -736,9 +752,10 @@ def _plan_for_budget(
     return _with_prefix(forest, min(plans, key=memory.step_bytes))
 
 
-def _cheapest_over_windows(memory, forest, budget, modes, checkpoint_layers, errors) -> ChunkPlan | None:
-    """The cheapest fitting plan over ``modes`` and the head's windows (the default, then halved while
-    that makes the plan cheaper); None where none fits, the reasons added to ``errors``."""
+def _cheapest_over_windows(memory, forest, budget, modes, checkpoint_layers, errors, smallest=1) -> ChunkPlan | None:
+    """The cheapest fitting plan of chunks of at least ``smallest`` tokens over ``modes`` and the head's
+    windows (the default, then halved while that makes the plan cheaper); None where none fits, the
+    reasons added to ``errors``."""
     best = None
 
     def cost(plan):
@@ -751,7 +768,7 @@ def _cheapest_over_windows(memory, forest, budget, modes, checkpoint_layers, err
             try:
                 # a size within 3% of the largest runs as fast: spare the last bisection steps
                 plans.append(_largest_fitting_plan(
-                    memory, forest, budget, mode, tolerance=1 / 32, logits_rows=rows, checkpoint_layers=checkpoint_layers
+                    memory, forest, budget, mode, 1 / 32, rows, checkpoint_layers, smallest
                 ))  # fmt: skip
             except ValueError as error:
                 errors.append(error)
