@@ -18,7 +18,7 @@ as for any forward.
 from __future__ import annotations
 
 import functools
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +111,7 @@ class ModelAdapter:
             return 0
         base = self.core.model
         if any(hasattr(layer, "gradient_checkpointing") for layer in self.layers):
-            return sum(bool(layer.gradient_checkpointing) and layer.training for layer in self.layers)
+            return sum(map(_checkpoints_itself, self.layers))
         # transformers before GradientCheckpointingLayer: one flag on the base model
         return len(self.layers) if getattr(base, "gradient_checkpointing", False) and base.training else 0
 
@@ -169,7 +169,7 @@ class ModelAdapter:
         ``checkpoint_layers``: run every layer the model does not checkpoint
         itself under non-reentrant activation checkpointing, for this call only.
         """
-        with self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else ExitStack():
+        with self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):
                     return self.data_parallel(input_ids, position_ids, attend)
@@ -183,7 +183,7 @@ class ModelAdapter:
         all_own = self.checkpointed_layers == len(self.layers)
         with ExitStack() as stack:
             for layer in [] if all_own else self.layers:
-                if not (getattr(layer, "gradient_checkpointing", False) and layer.training):
+                if not _checkpoints_itself(layer):
                     stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, layer.forward)))
             yield
 
@@ -219,6 +219,11 @@ def unsupported_model(model) -> TypeError:
         f"unsupported model {type(model).__name__}: expected dta_ref.Decoder or a Hugging Face "
         "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (PEFT-, torch.compile- or DDP-wrapped too)"
     )
+
+
+def _checkpoints_itself(layer: nn.Module) -> bool:
+    """Hugging Face's checkpointing of this layer is on (it acts in training mode only)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
 
 
 def _checkpointed(forward, *args, **kwargs):
