@@ -18,7 +18,8 @@ multiple of ``num_generations`` keeps every group in one tree.
 
 With ``TreeGRPOConfig(tree_memory_budget_bytes=...)`` (or
 ``tree_max_chunk_tokens=...``) the training forward and backward run depth-first in chunks (``dta_fast.tree_backward``) within
-that activation budget: the logprobs are computed without a graph, GRPO's
+that activation budget (``tree_checkpoint_layers`` says whether the layers run under activation
+checkpointing; by default the budget's plan decides): the logprobs are computed without a graph, GRPO's
 own loss gives d loss / d logprob, and the chunked pass backpropagates
 ``sum(g * logprob)``, which has the same parameter gradient (one extra forward).
 """
@@ -54,6 +55,13 @@ class TreeGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Train depth-first in chunks of at most this many tree tokens (instead of a budget)."},
     )
+    tree_checkpoint_layers: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With chunks: run the layers under activation checkpointing (True), not (False), or as the "
+            "budget's plan decides (None). Layers the model checkpoints itself (gradient_checkpointing) stay so."
+        },
+    )
 
 
 VOCAB_CHUNK = 32768  # vocabulary columns per tile of TRL's fused head
@@ -82,7 +90,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         size = getattr(self.args, "tree_max_chunk_tokens", None)
         if budget is None and size is None:
             return None
-        return dict(memory_budget_bytes=budget, max_chunk_tokens=size)
+        checkpoint = getattr(self.args, "tree_checkpoint_layers", None)
+        return dict(memory_budget_bytes=budget, max_chunk_tokens=size, checkpoint_layers=checkpoint)
 
     def _log_compression(self, tree) -> None:
         mode = "train" if self.model.training else "eval"

@@ -100,6 +100,7 @@ CASES = {
     "chunked": dict(tree_max_chunk_tokens=8, num_iterations=2, beta=0.1, temperature=0.7),
     "chunked-grad-ckpt": dict(tree_max_chunk_tokens=8, gradient_checkpointing=True),
     "memory-budget": dict(tree_memory_budget_bytes=4 * 2**30),
+    "chunked-checkpointed-layers": dict(tree_max_chunk_tokens=8, tree_checkpoint_layers=True),
 }
 
 
@@ -107,7 +108,8 @@ CASES = {
 def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
     overrides = dict(CASES[case])
     peft = lora() if overrides.pop("peft", False) else None
-    chunking = {k: overrides.pop(k) for k in ("tree_memory_budget_bytes", "tree_max_chunk_tokens") if k in overrides}
+    tree_options = ("tree_memory_budget_bytes", "tree_max_chunk_tokens", "tree_checkpoint_layers")
+    chunking = {k: overrides.pop(k) for k in tree_options if k in overrides}
     model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     model.save_pretrained(tmp_path / "model")  # both trainers (and their reference models) load it from disk
