@@ -132,16 +132,26 @@ def test_peft_lora_with_gradient_checkpointing(reentrant):
     assert_matches_each_rollout_alone(checkpointing(model, reentrant), truth)
 
 
+def assert_tree_backward_matches_each_rollout_alone(model, **options):
+    """``tree_backward`` with ``options`` on the SFT loss of TREE: the logprobs and trained gradients of
+    a copy of ``model`` run on each rollout alone."""
+    truth = copy.deepcopy(model)
+    mask = TREE.logprob_mask.to(DEVICE)
+    flat = dta_ref.flat_logprobs(truth, SEQUENCES)
+    dta_ref.sft_loss(flat, mask).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in truth.parameters() if p.requires_grad])
+    model.zero_grad(set_to_none=True)
+    lp, _ = dta_fast.tree_backward(model, TREE, dta_ref.SFTLoss(mask), **options)
+    torch.testing.assert_close(lp, flat.detach(), rtol=1e-5, atol=1e-5)
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
     """tree_backward as a trainer calls it (LoRA, gradient checkpointing) on a plan whose vocabulary head
     runs windows of 2 rows (what a tight budget may choose): the per-sequence gradients."""
     pytest.importorskip("peft")
     model = checkpointing(lora_model("qwen2", seed=12), reentrant=False)
-    truth = copy.deepcopy(model)
-    mask = TREE.logprob_mask
-    flat = dta_ref.flat_logprobs(truth, SEQUENCES)
-    dta_ref.sft_loss(flat, mask.to(DEVICE)).backward()
-    want_lp, want = flat.detach(), torch.cat([p.grad.reshape(-1) for p in truth.parameters() if p.requires_grad])
     choose, windows = dta_fast.engine._choose_plan, []
     monkeypatch.setattr(dta_fast.engine, "_choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2))
 
@@ -150,12 +160,8 @@ def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
         return dta_fast.logprobs.head_logprobs(hidden, head, head_rows, *args)
 
     monkeypatch.setattr(dta_fast.engine, "head_logprobs", recording)
-    model.zero_grad(set_to_none=True)
-    lp, _ = dta_fast.tree_backward(model, TREE, dta_ref.SFTLoss(mask), max_chunk_tokens=4)
+    assert_tree_backward_matches_each_rollout_alone(model, max_chunk_tokens=4)
     assert max(windows) == 2
-    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
-    got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
-    assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["engine", "model-and-engine"])
@@ -166,16 +172,7 @@ def test_peft_lora_with_checkpointed_layers(own):
     model = lora_model("qwen2", seed=13)
     if own:
         model = checkpointing(model, reentrant=False)
-    truth = copy.deepcopy(model)
-    mask = TREE.logprob_mask.to(DEVICE)
-    flat = dta_ref.flat_logprobs(truth, SEQUENCES)
-    dta_ref.sft_loss(flat, mask).backward()
-    want = torch.cat([p.grad.reshape(-1) for p in truth.parameters() if p.requires_grad])
-    model.zero_grad(set_to_none=True)
-    lp, _ = dta_fast.tree_backward(model, TREE, dta_ref.SFTLoss(mask), max_chunk_tokens=4, checkpoint_layers=True)
-    torch.testing.assert_close(lp, flat.detach(), rtol=1e-5, atol=1e-5)
-    got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
-    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert_tree_backward_matches_each_rollout_alone(model, max_chunk_tokens=4, checkpoint_layers=True)
 
 
 def test_peft_adapter_disabled_is_the_base_model():
