@@ -1,6 +1,6 @@
 """Tree attention forward+backward against its peers, on one GPU.
 
-    python benchmarks/bench_attention.py [--shapes grpo dualkv agentic qwen2] [--out DIR]
+    python benchmarks/bench_attention.py [--shapes grpo dualkv agentic qwen2 causal] [--out DIR]
     python benchmarks/bench_attention.py --plot RESULTS.json [--out DIR]   # the table and plot of a run
 
 Methods, each forward + backward:
@@ -57,6 +57,9 @@ SHAPES = {
         dict(name="GRPO P=8K N=16 R=1K, D=64 GQA 14/2", kind="grpo", P=8192, N=16, R=1024, H=14, Hkv=2, D=64),
         dict(name="agentic 4x4x8, D=64 GQA 14/2", kind="agentic", tasks=4, rollouts=4, turns=8, H=14, Hkv=2, D=64),
     ],
+    "causal": [  # one sequence: no tree, so "sdpa" is SDPA's default on the same causal problem (the base kernels)
+        dict(name="causal 16K (one sequence)", kind="chain", T=16384, H=32, Hkv=32),
+    ],
 }
 HEAD_DIM = 128  # unless the shape says otherwise
 METHODS = ("tree", "tree_call", "flex", "sdpa", "sdpa_flash", "dense", "tree_fwd", "flex_fwd")
@@ -67,6 +70,8 @@ DENSE_MAX_T = 36 * 1024
 def build_tree(shape) -> PrefixTree:
     if shape["kind"] == "grpo":
         return PrefixTree.from_sequences(grpo_batch(1, shape["P"], shape["N"], shape["R"]))
+    if shape["kind"] == "chain":
+        return PrefixTree.from_sequences([list(range(shape["T"]))])
     batch = agentic_batch(num_tasks=shape["tasks"], rollouts_per_task=shape["rollouts"], turns=shape["turns"])
     return PrefixTree.from_sequences(batch)
 

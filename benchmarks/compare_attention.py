@@ -32,6 +32,7 @@ SHAPES = {
     "GRPO P=16K N=16 R=2K": lambda: grpo_batch(1, 16384, 16, 2048),
     "GRPO P=1K N=64 R=512": lambda: grpo_batch(1, 1024, 64, 512),
     "agentic 4 tasks x 4 rollouts x 8 turns": lambda: agentic_batch(num_tasks=4, rollouts_per_task=4, turns=8),
+    "causal 16K": lambda: [list(range(16384))],  # one sequence: the tree machinery against a plain causal kernel
 }
 
 
