@@ -17,6 +17,11 @@ autograd Function and the public ``tree_attention``.
 - Blocks whose every (query, key) pair is visible (full blocks) run in a loop
   of their own, without mask code: the lists hold a row's full key blocks
   first, and a key block's full query blocks are a contiguous run.
+- Forward and dQ walk their full key blocks run by run (consecutive blocks:
+  a prompt, a node's own earlier tokens; ``BlockLists.run``), a run's
+  addresses computed from its first block, not loaded entry by entry; on
+  Hopper and later the forward loads those K and V tiles through TMA
+  descriptors (``_tma_descriptors``).
 - dK/dV programs start longest first (``TreeSchedule.key_block_order``),
   the heads of one key block side by side: the key blocks of a shared prompt
   walk every query, and launched in place they would start last for the
@@ -45,6 +50,7 @@ below to run with NumPy 2.4.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -54,6 +60,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dta_ref.tree import nesting_depth
 
@@ -155,28 +162,54 @@ class BlockLists:
     """The live key blocks of every (batch row, query block) ``r = b * Mq + m``: ``idx[r * Nk : r * Nk +
     count[r]]``, first the ``full[r]`` blocks whose every (query, key) pair is visible, then the others,
     each group in key order (rows sized for every key block, so no count is read back). The kernels walk
-    the full blocks in a loop without mask code, which Triton pipelines better than a loop with a branch."""
+    the full blocks in a loop without mask code, which Triton pipelines better than a loop with a branch.
+
+    ``run`` splits each group into runs of consecutive key blocks (a tree's prompt, a node's own tokens):
+    at the entry that starts a run, its length. The full blocks are walked run by run, each run's
+    addresses computed from its first block rather than loaded entry by entry."""
 
     count: torch.Tensor  # [B * Mq] int32
     full: torch.Tensor  # [B * Mq] int32: how many of the row's blocks come first as full ones
     idx: torch.Tensor  # [B * Mq * Nk] int32; past each row's count: unused
-    num_key_blocks: int  # Nk, the row stride of idx
+    run: torch.Tensor  # [B * Mq * Nk] int32: a run's length at its first entry, 0 at the others
+    num_key_blocks: int  # Nk, the row stride of idx and run
 
     def rows(self) -> list[tuple[list[int], list[int]]]:
         """Every row's (full, partly visible) key blocks (reads the GPU: for tests and inspection)."""
         count, full, idx, Nk = self.count.tolist(), self.full.tolist(), self.idx.tolist(), self.num_key_blocks
         return [(idx[r * Nk : r * Nk + f], idx[r * Nk + f : r * Nk + c]) for r, (c, f) in enumerate(zip(count, full))]
 
+    def run_lengths(self) -> list[list[int]]:
+        """Every row's ``run`` entries up to its count (reads the GPU: for tests and inspection)."""
+        count, run, Nk = self.count.tolist(), self.run.tolist(), self.num_key_blocks
+        return [run[r * Nk : r * Nk + c] for r, c in enumerate(count)]
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _run_starts(ROW_IDX, offs_e, count, num_full):
+    """[CHUNK] bool: the entries offs_e of a block-list row that start a run of consecutive key blocks
+    (the first entry, the first partly visible one, or one not following its predecessor's block)."""
+    valid = (offs_e >= 0) & (offs_e < count)
+    block = tl.load(ROW_IDX + offs_e, mask=valid, other=0)
+    before = tl.load(ROW_IDX + offs_e - 1, mask=valid & (offs_e > 0), other=-2)
+    return valid & ((offs_e == num_full) | (block != before + 1))
+
 
 @triton.jit
 def block_lists_kernel(
-    END, COUNT, FULL, IDX, stride_eb, Tq, Tk, NK,
+    END, COUNT, FULL, IDX, RUN, stride_eb, Tq, Tk, NK,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One (query block, batch row): its live key blocks, those before its last query whose largest
     subtree end passes its first query, written in order (a prefix sum over chunks of key blocks): the
     full ones (every key before its first query, every subtree end past its last query) in a first
-    pass, the rest in a second."""
+    pass, the rest in a second. Then, right to left, each run's length at its first entry (a running
+    minimum of the next run's start)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     row = (b * tl.num_programs(0) + pid_m).to(tl.int64)
@@ -198,7 +231,20 @@ def block_lists_kernel(
             count += tl.sum(take.to(tl.int32), 0)
         if not second:
             tl.store(FULL + row, count)
+            num_full = count
     tl.store(COUNT + row, count)
+
+    tl.debug_barrier()  # the row's entries, written above by other threads of this program
+    next_start = count  # the first run start right of the chunk (count: past the last run)
+    num_chunks = tl.cdiv(count, CHUNK)
+    for i in range(0, num_chunks):
+        offs_e = (num_chunks - 1 - i) * CHUNK + tl.arange(0, CHUNK)
+        starts = _run_starts(IDX + row * NK, offs_e, count, num_full)
+        starts_after = _run_starts(IDX + row * NK, offs_e + 1, count, num_full)
+        after = tl.associative_scan(tl.where(starts_after, offs_e + 1, count), 0, _min_combine, reverse=True)
+        after = tl.minimum(after, next_start)  # the first run start past each entry
+        tl.store(RUN + row * NK + offs_e, tl.where(starts, after - offs_e, 0), mask=offs_e < count)
+        next_start = tl.min(tl.where(starts, offs_e, next_start), 0)
 
 
 @triton.jit
@@ -236,12 +282,12 @@ def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
     B, Tk = subtree_end.shape
     Mq, Nk = _cdiv(Tq, BLOCK_M), _cdiv(Tk, BLOCK_N)
     count, full = torch.empty(2, B * Mq, dtype=torch.int32, device=subtree_end.device)
-    idx = torch.empty(B * Mq * Nk, dtype=torch.int32, device=subtree_end.device)
+    idx, run = torch.empty(2, B * Mq * Nk, dtype=torch.int32, device=subtree_end.device)
     block_lists_kernel[(Mq, B)](
-        subtree_end, count, full, idx, subtree_end.stride(0), Tq, Tk, Nk,
+        subtree_end, count, full, idx, run, subtree_end.stride(0), Tq, Tk, Nk,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
     )  # fmt: skip
-    return BlockLists(count, full, idx, Nk)
+    return BlockLists(count, full, idx, run, Nk)
 
 
 def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
@@ -345,42 +391,86 @@ def _load_tile(ptrs, mask_rows, mask_d, ROWS_IN_RANGE: tl.constexpr, EVEN_D: tl.
 
 
 @triton.jit
-def _key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
-    """Entry e of a block list (forward, dQ): its key positions, which of them are keys, its K and V tiles."""
+def _partial_key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
+                       BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
+    """Entry e of a block list (forward, dQ), a partly visible block: its key positions, which of them are
+    keys, its K and V tiles."""
     offs_n = tl.load(KV_IDX + e) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < Tk
-    k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
-    v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, not MASKED, EVEN_D)
+    k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask_n, mask_d, False, EVEN_D)
+    v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask_n, mask_d, False, EVEN_D)
     return offs_n, mask_n, k, v
 
 
 @triton.jit
-def _fwd_key_blocks(
-    acc, l_i, m_i, q, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _full_key_block(K, V, K_DESC, V_DESC, n, b, hk, offs_d, mask_d, stride_kt, stride_vt,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                    USE_TMA: tl.constexpr):  # fmt: skip
+    """The K and V tiles of key block n, every key in range: through TMA descriptors of [B, Hkv, Tk, D]
+    where the launch made them (``_tma_descriptors``), else pointer loads (K, V at this head)."""
+    if USE_TMA:
+        at = [b.to(tl.int32), hk.to(tl.int32), n * BLOCK_N, 0]
+        return K_DESC.load(at).reshape(BLOCK_N, BLOCK_D), V_DESC.load(at).reshape(BLOCK_N, BLOCK_D)
+    else:
+        offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_tile(K + offs_n[:, None] * stride_kt + offs_d[None, :], None, mask_d, True, EVEN_D)
+        v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], None, mask_d, True, EVEN_D)
+        return k, v
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: s its scaled (and masked) scores, v its value tile."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_full_runs(
+    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, KV_IDX, RUN, lo, hi, b, hk, offs_d, mask_d, qk_scale,
+    stride_kt, stride_vt,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key blocks KV_IDX[lo:hi]: all full (MASKED false) or all partly visible."""
+    """Online softmax over the full key blocks KV_IDX[lo:hi], run by run (no mask code, no list load
+    inside a run)."""
+    e = lo
+    while e < hi:
+        length = tl.load(RUN + e)
+        first = tl.load(KV_IDX + e)
+        for n in range(first, first + length):
+            k, v = _full_key_block(K, V, K_DESC, V_DESC, n, b, hk, offs_d, mask_d, stride_kt, stride_vt,
+                                   BLOCK_N, BLOCK_D, EVEN_D, USE_TMA)  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        e += length
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_partial_blocks(
+    acc, l_i, m_i, q, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the partly visible key blocks KV_IDX[lo:hi]."""
     for e in range(lo, hi):
-        offs_n, mask_n, k, v = _key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
-                                          BLOCK_N, MASKED, EVEN_D)  # fmt: skip
+        offs_n, mask_n, k, v = _partial_key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
+                                                  BLOCK_N, EVEN_D)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if MASKED:
-            end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
-            s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
+        s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_fwd_kernel(
-    Q, K, V, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, SEES_BAD,
+    Q, K, V, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN, SEES_BAD, K_DESC, V_DESC,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -389,7 +479,7 @@ def tree_attention_fwd_kernel(
     stride_eb, stride_kv_b, NK,
     Hq, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -416,10 +506,12 @@ def tree_attention_fwd_kernel(
     start = row * NK
     mid = start + tl.load(KV_FULL + row)
     stop = start + tl.load(KV_COUNT + row)
-    acc, l_i, m_i = _fwd_key_blocks(acc, l_i, m_i, q, K, V, END, KV_IDX, start, mid, pos_m, offs_d, mask_d, qk_scale,
-                                    stride_kt, stride_vt, Tk, BLOCK_N, False, HEAD_DIM == BLOCK_D, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_key_blocks(acc, l_i, m_i, q, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d, qk_scale,
-                                    stride_kt, stride_vt, Tk, BLOCK_N, True, HEAD_DIM == BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_full_runs(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, KV_IDX, KV_RUN, start, mid, b, hk, offs_d,
+                                   mask_d, qk_scale, stride_kt, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM == BLOCK_D,
+                                   DOT_PRECISION, USE_TMA)  # fmt: skip
+    acc, l_i, m_i = _fwd_partial_blocks(acc, l_i, m_i, q, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d,
+                                        qk_scale, stride_kt, stride_vt, Tk, BLOCK_N, HEAD_DIM == BLOCK_D,
+                                        DOT_PRECISION)  # fmt: skip
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past Tq saw nothing; they are not stored
     acc = acc / l_i[:, None]
@@ -575,29 +667,52 @@ def tree_attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_key_blocks(
-    dq, q, do, lse, delta, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _dq_step(dq, p, do, delta, k, v, DOT_PRECISION: tl.constexpr):
+    """dQ of one key block: p its softmax weights (zero where masked), k and v its tiles."""
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _dq_full_runs(
+    dq, q, do, lse, delta, K, V, KV_IDX, RUN, lo, hi, offs_d, mask_d, qk_scale, stride_kt, stride_vt,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dQ summed over the key blocks KV_IDX[lo:hi]: all full (MASKED false) or all partly visible."""
+    """dQ summed over the full key blocks KV_IDX[lo:hi], run by run."""
+    e = lo
+    while e < hi:
+        length = tl.load(RUN + e)
+        first = tl.load(KV_IDX + e)
+        for n in range(first, first + length):
+            k, v = _full_key_block(K, V, K, V, n, 0, 0, offs_d, mask_d, stride_kt, stride_vt,
+                                   BLOCK_N, BLOCK_D, EVEN_D, False)  # fmt: skip
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            dq = _dq_step(dq, tl.exp2(s - lse[:, None]), do, delta, k, v, DOT_PRECISION)
+        e += length
+    return dq
+
+
+@triton.jit
+def _dq_partial_blocks(
+    dq, q, do, lse, delta, K, V, END, KV_IDX, lo, hi, pos_m, offs_d, mask_d, qk_scale, stride_kt, stride_vt, Tk,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dQ summed over the partly visible key blocks KV_IDX[lo:hi]."""
     for e in range(lo, hi):
-        offs_n, mask_n, k, v = _key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
-                                          BLOCK_N, MASKED, EVEN_D)  # fmt: skip
+        offs_n, mask_n, k, v = _partial_key_block(K, V, KV_IDX, e, offs_d, mask_d, stride_kt, stride_vt, Tk,
+                                                  BLOCK_N, EVEN_D)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        p = tl.exp2(s - lse[:, None])
-        if MASKED:
-            end_n = tl.load(END + offs_n, mask=mask_n, other=0)
-            p = tl.where(_visible(pos_m, offs_n, end_n), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        end_n = tl.load(END + offs_n, mask=mask_n, other=0)
+        p = tl.where(_visible(pos_m, offs_n, end_n), tl.exp2(s - lse[:, None]), 0.0)
+        dq = _dq_step(dq, p, do, delta, k, v, DOT_PRECISION)
     return dq
 
 
 @triton.autotune(configs=_configs("dq"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX,
+    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -636,10 +751,10 @@ def tree_attention_bwd_dq_kernel(
     start = row * NK
     mid = start + tl.load(KV_FULL + row)
     stop = start + tl.load(KV_COUNT + row)
-    dq = _dq_key_blocks(dq, q, do, lse, delta, K, V, END, KV_IDX, start, mid, pos_m, offs_d, mask_d, qk_scale,
-                        stride_kt, stride_vt, Tk, BLOCK_N, False, HEAD_DIM == BLOCK_D, DOT_PRECISION)
-    dq = _dq_key_blocks(dq, q, do, lse, delta, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d, qk_scale,
-                        stride_kt, stride_vt, Tk, BLOCK_N, True, HEAD_DIM == BLOCK_D, DOT_PRECISION)
+    dq = _dq_full_runs(dq, q, do, lse, delta, K, V, KV_IDX, KV_RUN, start, mid, offs_d, mask_d, qk_scale,
+                       stride_kt, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM == BLOCK_D, DOT_PRECISION)
+    dq = _dq_partial_blocks(dq, q, do, lse, delta, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d, qk_scale,
+                            stride_kt, stride_vt, Tk, BLOCK_N, HEAD_DIM == BLOCK_D, DOT_PRECISION)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_md)
@@ -694,7 +809,7 @@ def _launch_tuned(kernel, grid, args, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dt
     argument and the dtype name of every tensor on each call (about 75 us on an H100 host, a third of a
     small call's host cost). The key is the autotuner's: its key arguments and the inputs' dtype (the
     other tensors' dtypes are fixed). A key's first call goes through the autotuner, which benchmarks."""
-    key = (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dtype)
+    key = (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dtype, constexprs.get("USE_TMA"))
     config = _CHOSEN_CONFIGS.get(key)
     constexprs.update(HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     if config is None:
@@ -726,16 +841,37 @@ def _forward(q, k, v, schedule, sm_scale):
     # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
     v_finite, v_bad = _finite_rows(v)
     sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
+    k_desc, v_desc = _tma_descriptors(k, v_finite, BN, Tq)
     args = (
-        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, sees_bad,
+        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, lists.run, sees_bad,
+        k if k_desc is None else k_desc, v_finite if v_desc is None else v_desc,
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
         Hq, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
     _launch_tuned(tree_attention_fwd_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, _size_class(Tq), q.dtype,
-                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
+                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=k_desc is not None)  # fmt: skip
     return o, lse, v_finite
+
+
+def _tma_descriptors(k, v, BLOCK_N, Tq):
+    """TMA descriptors of K and V [B, Hkv, Tk, D] for the forward's full key blocks, or (None, None) where
+    they do not apply: before Hopper, under the interpreter, a head dim that is not its own tile, rows or
+    strides not 16-byte aligned, or a call of under 64 queries (a decode step: two descriptors' Python
+    would cost more than they save)."""
+    D = k.shape[-1]
+    if INTERPRET or Tq < 64 or D != _block_d(D) or not _has_tma(k.device):
+        return None, None
+    for x in (k, v):
+        if x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:3]):
+            return None, None
+    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK_N, D]) for x in (k, v))
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _finite_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -845,7 +981,7 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     num_m_blocks = _cdiv(Tq, BM)
     dq = torch.empty_like(q)
     args = (
-        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx,
+        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,

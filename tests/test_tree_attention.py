@@ -295,30 +295,49 @@ def test_gpu_deterministic():
         assert torch.equal(a, b)
 
 
+def expected_run_lengths(blocks):
+    """At the first entry of each run of consecutive key blocks, the run's length; 0 at the others."""
+    lengths = [0] * len(blocks)
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            lengths[start] = i - start
+            start = i
+    return lengths
+
+
 @pytest.mark.parametrize("Tq", [70, 23, 1])
-@pytest.mark.parametrize("BM, BN", [(16, 8), (8, 16), (16, 16)])
+@pytest.mark.parametrize("BM, BN", [(16, 8), (8, 16), (16, 16), (8, 4)])
 def test_block_lists_are_the_live_key_blocks(Tq, BM, BN):
     """Each query block lists exactly the key blocks holding a key one of its queries sees: first, in
-    key order, those whose every (query, key) pair is visible, then the others in key order."""
+    key order, those whose every (query, key) pair is visible, then the others in key order; and each
+    group's runs of consecutive blocks carry their length at their first entry (with 4-key blocks a
+    row holds more entries than the schedule kernel looks at per step)."""
     rng = np.random.default_rng(Tq + BM)
     Tk = 70
     chain, lone = torch.full((Tk,), Tk), torch.arange(1, Tk + 1)  # a causal chain, and every token alone
-    end = torch.stack([subtree_end_from_depths(random_depths(Tk, rng)) for _ in range(2)] + [chain, lone])
+    grpo = PrefixTree.from_sequences(grpo_batch(1, 16, 3, 18)).subtree_end  # a prompt and 3 responses
+    end = torch.stack([subtree_end_from_depths(random_depths(Tk, rng)) for _ in range(2)] + [chain, lone, grpo])
     schedule = build_schedule(end.to(DEVICE), Tq)
     Mq, Nk = -(-Tq // BM), -(-Tk // BN)
     mask = dta_fast_mask(end, Tq)
     visible = torch.nn.functional.pad(mask, (0, Nk * BN - Tk, 0, Mq * BM - Tq))
-    live = visible.view(4, Mq, BM, Nk, BN).any(4).any(2).flatten(0, 1)  # [4 * Mq, Nk]
+    live = visible.view(len(end), Mq, BM, Nk, BN).any(4).any(2).flatten(0, 1)  # [B * Mq, Nk]
     # full: every pair of real queries and keys visible (padding queries count as seeing, padding keys not)
     padded = torch.nn.functional.pad(torch.nn.functional.pad(mask, (0, 0, 0, Mq * BM - Tq), value=True),
                                      (0, Nk * BN - Tk))  # fmt: skip
-    full = padded.view(4, Mq, BM, Nk, BN).all(4).all(2).flatten(0, 1)
+    full = padded.view(len(end), Mq, BM, Nk, BN).all(4).all(2).flatten(0, 1)
     expected = [
         (torch.nonzero(f)[:, 0].tolist(), torch.nonzero(l & ~f)[:, 0].tolist()) for l, f in zip(live, full)
     ]
-    rows = schedule.block_lists(BM, BN).rows()
+    lists = schedule.block_lists(BM, BN)
+    rows = lists.rows()
     assert rows == expected
     assert any(f for f, _ in rows) and any(p for _, p in rows)  # both kinds occur
+    runs = [expected_run_lengths(f) + expected_run_lengths(p) for f, p in expected]
+    assert lists.run_lengths() == runs
+    if BN <= 8:  # the prompt and a response's own blocks: full blocks in two runs
+        assert any(sum(1 for n in expected_run_lengths(f) if n) > 1 for f, _ in expected)
 
 
 @pytest.mark.parametrize("Tq", [70, 33, 1])
