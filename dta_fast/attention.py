@@ -191,6 +191,11 @@ def _min_combine(a, b):
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _run_starts(ROW_IDX, offs_e, count, num_full):
     """[CHUNK] bool: the entries offs_e of a block-list row that start a run of consecutive key blocks
     (the first entry, the first partly visible one, or one not following its predecessor's block)."""
@@ -866,7 +871,7 @@ def _tma_descriptors(k, v, BLOCK_N, Tq):
     for x in (k, v):
         if x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:3]):
             return None, None
-    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK_N, D]) for x in (k, v))
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK_N, D]) for x in (k, v))
 
 
 @functools.cache
@@ -884,11 +889,6 @@ def _finite_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, x_finite, bad, *_strides(x), H, T, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
     return x_finite, bad
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
