@@ -39,8 +39,8 @@ autograd Function and the public ``tree_attention``.
 
 Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16,
 float32 (dot products in ieee float32); no dropout, no softcap, no sliding
-window. Building a schedule needs no host sync up to 4M query-key block pairs
-(a tree of about 128K tokens), one above; checking a ``subtree_end`` (what
+window. Building a schedule needs no host sync (its block lists and run lengths
+take 8 bytes per query-block, key-block pair); checking a ``subtree_end`` (what
 ``tree_attention`` does when given one) syncs: build the schedule once with
 ``build_schedule`` and pass it to every layer.
 A query that sees a non-finite value row gets NaN where plain attention might
