@@ -5,7 +5,9 @@
 
 Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
 (its kernels compile separately). Per shape: forward alone and forward +
-backward, ``triton.testing.do_bench`` medians, bf16, H=32, D=128 (8 K/V heads
+backward, ``triton.testing.do_bench`` medians, bf16, the versions timed in
+rounds that alternate their order (A B, then B A, ...: a drift of the
+machine's speed over the run favours none) and each time the mean over rounds, H=32, D=128 (8 K/V heads
 on the agentic row; ``--heads``, ``--kv-heads``, ``--head-dim`` for another
 shape), the schedule built once outside the timing; and the
 largest difference of each version's output and gradients from the first
@@ -44,6 +46,17 @@ def load(name: str, path: str):
     return module
 
 
+def time_version(module, schedule, q, k, v, do):
+    """(forward, forward + backward) do_bench medians in ms."""
+
+    def forward_backward():
+        module.tree_attention(q, k, v, schedule=schedule).backward(do)
+
+    with torch.no_grad():
+        fwd = do_bench(lambda: module.tree_attention(q, k, v, schedule=schedule), warmup=25, rep=200)
+    return fwd, do_bench(forward_backward, warmup=25, rep=200, grad_to_none=[q, k, v])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("versions", nargs="+", help="NAME=PATH of a copy of dta_fast/attention.py")
@@ -51,6 +64,7 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (8 on the agentic row)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=2, help="timing rounds, alternating the versions' order")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     versions = {}
@@ -73,25 +87,25 @@ def main():
                 for _ in range(2))  # fmt: skip
         do = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
         row, first = {"shape": shape, "T": T, "H": H, "Hkv": Hkv, "D": D}, None
+        schedules = {name: module.build_schedule(end, T) for name, module in versions.items()}
+        times = {name: [] for name in versions}
+        for r in range(args.rounds):
+            for name in list(versions)[:: 1 if r % 2 == 0 else -1]:
+                times[name].append(time_version(versions[name], schedules[name], q, k, v, do))
         for name, module in versions.items():
-            schedule = module.build_schedule(end, T)
-
-            def forward_backward():
-                module.tree_attention(q, k, v, schedule=schedule).backward(do)
-
-            with torch.no_grad():
-                fwd = do_bench(lambda: module.tree_attention(q, k, v, schedule=schedule), warmup=25, rep=200)
-            fwd_bwd = do_bench(forward_backward, warmup=25, rep=200, grad_to_none=[q, k, v])
+            schedule = schedules[name]
+            fwd, fwd_bwd = (sum(t) / len(t) for t in zip(*times[name]))
             out = module.tree_attention(q, k, v, schedule=schedule)
             grads = torch.autograd.grad(out, (q, k, v), do)
             results = [out.detach().float()] + [x.float() for x in grads]
             first = first or results
             diff = max(float((a - b).abs().max()) for a, b in zip(results, first))
-            row[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "max_abs_diff": diff}
+            row[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "max_abs_diff": diff, "rounds": times[name]}
             print(f"{shape:40s} {name:14s} {fwd:8.3f} {fwd_bwd:11.3f} {diff:11.2e}", flush=True)
         rows.append(row)
         del q, k, v, do
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": args.versions}
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": args.versions,
+            "rounds": args.rounds}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / f"compare_attention_h{H}_d{D}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
