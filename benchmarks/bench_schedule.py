@@ -34,7 +34,7 @@ from dta_ref import PrefixTree, grpo_batch
 def build(end, T, validate, head_dim):
     schedule = build_schedule(end, T, validate=validate)
     for kind in ("fwd", "dq", "dkdv"):
-        BM, BN = ta._blocks(kind, head_dim)
+        BM, BN = ta.block_table(head_dim)[kind]
         schedule.key_block_order(BM, BN) if kind == "dkdv" else schedule.block_lists(BM, BN)
     return schedule
 

@@ -25,9 +25,7 @@ autograd Function and the public ``tree_attention``.
 - dK/dV programs start longest first (``TreeSchedule.key_block_order``),
   the heads of one key block side by side: the key blocks of a shared prompt
   walk every query, and launched in place they would start last for the
-  last heads and run on alone at the end of the kernel. Forward and dQ
-  programs start longest first within each head (``BlockLists.order``); a
-  head's programs stay together, so the K and V they share stay in L2.
+  last heads and run on alone at the end of the kernel.
 
 - A key a query cannot see never reaches that query's output, nor a masked
   pair any gradient, even when its rows hold NaN or inf: the forward runs on
@@ -168,16 +166,12 @@ class BlockLists:
 
     ``run`` splits each group into runs of consecutive key blocks (a tree's prompt, a node's own tokens):
     at the entry that starts a run, its length. The full blocks are walked run by run, each run's
-    addresses computed from its first block rather than loaded entry by entry.
-
-    ``order`` is the launch order of the forward and dQ programs of each head: longest row first, so the
-    last programs to start are short ones (a causal chain's first query blocks, a tree's prompt start)."""
+    addresses computed from its first block rather than loaded entry by entry."""
 
     count: torch.Tensor  # [B * Mq] int32
     full: torch.Tensor  # [B * Mq] int32: how many of the row's blocks come first as full ones
     idx: torch.Tensor  # [B * Mq * Nk] int32; past each row's count: unused
     run: torch.Tensor  # [B * Mq * Nk] int32: a run's length at its first entry, 0 at the others
-    order: torch.Tensor  # [B * Mq] int32: each batch row's query blocks, most live key blocks first
     num_key_blocks: int  # Nk, the row stride of idx and run
 
     def rows(self) -> list[tuple[list[int], list[int]]]:
@@ -298,8 +292,7 @@ def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
         subtree_end, count, full, idx, run, subtree_end.stride(0), Tq, Tk, Nk,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
     )  # fmt: skip
-    order = torch.argsort(count.view(B, Mq), dim=1, descending=True, stable=True).to(torch.int32).view(-1)  # no sync
-    return BlockLists(count, full, idx, run, order, Nk)
+    return BlockLists(count, full, idx, run, Nk)
 
 
 def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
@@ -482,7 +475,7 @@ def _fwd_partial_blocks(
 @triton.autotune(configs=_configs("fwd"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_fwd_kernel(
-    Q, K, V, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN, M_ORDER, SEES_BAD, K_DESC, V_DESC,
+    Q, K, V, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN, SEES_BAD, K_DESC, V_DESC,
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -493,9 +486,9 @@ def tree_attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
+    pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // Hq, pid_bh % Hq
-    pid_m = tl.load(M_ORDER + b * stride_kv_b + tl.program_id(0))  # longest first
     hk = h // GROUP
     q_offset = Tk - Tq
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows
@@ -724,7 +717,7 @@ def _dq_partial_blocks(
 @triton.autotune(configs=_configs("dq"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN, M_ORDER,
+    Q, K, V, DO, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -736,9 +729,9 @@ def tree_attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // Hq, pid_bh % Hq
-    pid_m = tl.load(M_ORDER + b * stride_kv_b + tl.program_id(0))  # longest first
     hk = h // GROUP
     q_offset = Tk - Tq
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -855,7 +848,7 @@ def _forward(q, k, v, schedule, sm_scale):
     sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
     k_desc, v_desc = _tma_descriptors(k, v_finite, BN, Tq)
     args = (
-        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, lists.run, lists.order, sees_bad,
+        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, lists.run, sees_bad,
         k if k_desc is None else k_desc, v_finite if v_desc is None else v_desc,
         sm_scale * LOG2E,
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
@@ -988,7 +981,7 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     num_m_blocks = _cdiv(Tq, BM)
     dq = torch.empty_like(q)
     args = (
-        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run, lists.order,
+        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
