@@ -1,0 +1,47 @@
+"""The benchmark scripts' own machinery on small trees: the timings need a GPU, but the parts that
+build schedules, check them and load kernel copies run anywhere, and a change to the library's
+internals should break here rather than on a GPU machine at measuring time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_schedule  # noqa: E402
+import compare_attention  # noqa: E402
+
+import dta_fast  # noqa: E402
+from dta_ref import PrefixTree, grpo_batch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_schedule_benchmark_builds_and_gates(head_dim):
+    """bench_schedule.py's build (the three kernels' lists at a head dim's blocks) and its gate, the
+    block lists against a dense reference."""
+    end = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20)).subtree_end.to(DEVICE)
+    schedule = bench_schedule.build(end, end.numel(), True, head_dim)
+    assert schedule._lists and schedule._order
+    for (BM, BN), lists in schedule._lists.items():
+        assert lists.rows() == bench_schedule.reference_rows(end, BM, BN)
+
+
+def test_compare_attention_loads_an_independent_copy():
+    """compare_attention.py's NAME=PATH: the copy is a module of its own whose results equal the
+    library's."""
+    copy = compare_attention.load("copy", dta_fast.attention.__file__)
+    assert copy is not dta_fast.attention and copy.tree_attention is not dta_fast.tree_attention
+    end = PrefixTree.from_sequences(grpo_batch(1, 24, 2, 12)).subtree_end.to(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, end.numel(), 16, generator=g).to(DEVICE) for _ in range(3))
+    expected = dta_fast.tree_attention(q, k, v, schedule=dta_fast.build_schedule(end))
+    assert torch.equal(copy.tree_attention(q, k, v, schedule=copy.build_schedule(end)), expected)
