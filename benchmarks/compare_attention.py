@@ -5,13 +5,14 @@
 
 Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
 (its kernels compile separately). Per shape: forward alone and forward +
-backward, ``triton.testing.do_bench`` medians, bf16, the versions timed in
-rounds that alternate their order (A B, then B A, ...: a drift of the
-machine's speed over the run favours none) and each time the mean over rounds, H=32, D=128 (8 K/V heads
+backward, ``triton.testing.do_bench`` medians, bf16, H=32, D=128 (8 K/V heads
 on the agentic row; ``--heads``, ``--kv-heads``, ``--head-dim`` for another
-shape), the schedule built once outside the timing; and the
-largest difference of each version's output and gradients from the first
-version's. Prints a table and writes compare_attention_h{H}_d{D}.json.
+shape), the schedule built once outside the timing; and the largest
+difference of each version's output and gradients from the first version's.
+The versions are timed in ``--rounds`` rounds that alternate their order (A B,
+then B A, ...: a drift of the machine's speed over the run favours none); each
+time is the mean over rounds, and the JSON keeps every round. Prints a table
+and writes compare_attention_h{H}_d{D}.json.
 """
 
 from __future__ import annotations
