@@ -68,6 +68,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds, alternating the versions' order")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     versions = {}
     for item in args.versions:
         name, sep, path = item.partition("=")
