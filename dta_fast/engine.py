@@ -606,8 +606,8 @@ def _largest_fitting_plan(
                     {min(T, int(first * 2 ** (k / 4))) for k in range(1, 4 * T.bit_length() + 1)} - {first}
                 )
                 lo = next((size for size in ladder if fits(size)), None)
-        if lo is not None and lo > first:
-            hi = None  # found above the first guess: bracket again from there
+        if lo is not None and hi is not None and hi <= lo:
+            hi = None  # found above every size known not to fit (the ladder): bracket again from there
         while lo is not None and lo < T and hi is None:
             if fits(min(2 * lo, T)):
                 lo = min(2 * lo, T)
