@@ -424,10 +424,13 @@ def _full_key_block(K, V, K_DESC, V_DESC, n, b, hk, offs_d, mask_d, stride_kt, s
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
-    """One key block of the online softmax: s its scaled (and masked) scores, v its value tile."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+def _softmax_step(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: s its scores, v its value tile, qk_scale what s still needs
+    to be multiplied by (at least 0: ``tree_attention`` folds a negative scale's sign into q). The scale
+    enters through the row max, max(c s) = c max(s), so scaling and subtracting the max are one FMA per
+    score; the loop is bound by such per-score operations more than by its exp2."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -450,8 +453,8 @@ def _fwd_full_runs(
         for n in range(first, first + length):
             k, v = _full_key_block(K, V, K_DESC, V_DESC, n, b, hk, offs_d, mask_d, stride_kt, stride_vt,
                                    BLOCK_N, BLOCK_D, EVEN_D, USE_TMA)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
         e += length
     return acc, l_i, m_i
 
@@ -467,8 +470,9 @@ def _fwd_partial_blocks(
                                                   BLOCK_N, EVEN_D)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         end_n = tl.load(END + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
+        # scaled before masking: -inf times a zero scale would be NaN
         s = tl.where(_visible(pos_m, offs_n, end_n), s, float("-inf"))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, 1.0, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -1092,6 +1096,8 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if sm_scale < 0:  # the kernels want a scale of at least 0 (_softmax_step): softmax(c q.k) = softmax(-c (-q).k)
+        q, sm_scale = -q, -sm_scale
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)

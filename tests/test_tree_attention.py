@@ -105,16 +105,27 @@ def test_per_batch_trees():
         torch.testing.assert_close(out[b : b + 1], alone, rtol=0, atol=0)
 
 
-def test_custom_scale_and_lse():
+@pytest.mark.parametrize("scale", [0.37, 0.0, -2.5])
+def test_custom_scale_and_lse(scale):
     end = subtree_end_from_depths(random_depths(30, np.random.default_rng(3))).to(DEVICE)
     q, k, v = make_qkv(1, 2, 1, 30, 30, 16, torch.float32)
-    check_tree_attention(q, k, v, end, scale=0.37)
-    out, lse = tree_attention(q, k, v, end, 0.37, return_lse=True)
+    check_tree_attention(q, k, v, end, scale=scale)
+    out, lse = tree_attention(q, k, v, end, scale, return_lse=True)
     mask = dta_fast_mask(end, 30)
     group = q.shape[1] // k.shape[1]
-    s = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * 0.37
+    s = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * scale
     expected = torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)
     torch.testing.assert_close(lse.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [-8.0, 8.0])
+def test_large_scales_of_either_sign_on_full_blocks(scale):
+    """A causal chain has full key blocks, whose loop takes the row max of the unscaled scores: with a
+    negative scale that is the row min, which overflows exp2 unless the sign is folded into q first."""
+    T = 48
+    end = torch.full((T,), T, dtype=torch.int64, device=DEVICE)
+    q, k, v = make_qkv(1, 2, 2, T, T, 16, torch.float32)
+    check_tree_attention(q, k, v, end, scale=scale)
 
 
 def dta_fast_mask(end, Tq):
