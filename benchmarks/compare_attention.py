@@ -5,14 +5,16 @@
 
 Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
 (its kernels compile separately). Per shape: forward alone and forward +
-backward, ``triton.testing.do_bench`` medians, bf16, H=32, D=128 (8 K/V heads
-on the agentic row; ``--heads``, ``--kv-heads``, ``--head-dim`` for another
-shape), the schedule built once outside the timing; and the largest
-difference of each version's output and gradients from the first version's.
-The versions are timed in ``--rounds`` rounds that alternate their order (A B,
-then B A, ...: a drift of the machine's speed over the run favours none); each
-time is the mean over rounds, and the JSON keeps every round. Prints a table
-and writes compare_attention_h{H}_d{D}.json.
+backward, ``triton.testing.do_bench`` medians and medians of CUDA-event
+timings of single calls after warm-up (bench_attention.py's two timings),
+bf16, H=32, D=128 (8 K/V heads on the agentic row; ``--heads``,
+``--kv-heads``, ``--head-dim`` for another shape), the schedule built once
+outside the timing; and the largest difference of each version's output and
+gradients from the first version's. The versions are timed in ``--rounds``
+rounds that alternate their order (A B, then B A, ...: a drift of the
+machine's speed over the run favours none); each time is the mean over
+rounds, and the JSON keeps every round. Prints a table and writes
+compare_attention_h{H}_d{D}.json.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from bench_attention import event_median
 from dta_ref import PrefixTree, agentic_batch, grpo_batch
 
 SHAPES = {
@@ -48,14 +51,18 @@ def load(name: str, path: str):
 
 
 def time_version(module, schedule, q, k, v, do):
-    """(forward, forward + backward) do_bench medians in ms."""
+    """Forward and forward + backward in ms: do_bench medians, then medians of CUDA-event timings of
+    single calls (bench_attention.py's two timings)."""
+
+    def forward():
+        with torch.no_grad():
+            module.tree_attention(q, k, v, schedule=schedule)
 
     def forward_backward():
         module.tree_attention(q, k, v, schedule=schedule).backward(do)
 
-    with torch.no_grad():
-        fwd = do_bench(lambda: module.tree_attention(q, k, v, schedule=schedule), warmup=25, rep=200)
-    return fwd, do_bench(forward_backward, warmup=25, rep=200, grad_to_none=[q, k, v])
+    return (do_bench(forward, warmup=25, rep=200), do_bench(forward_backward, warmup=25, rep=200, grad_to_none=[q, k, v]),
+            event_median(forward, []), event_median(forward_backward, [q, k, v]))
 
 
 def main():
@@ -78,7 +85,8 @@ def main():
         versions[name] = load(name, path)
 
     rows = []
-    print(f"{'shape':40s} {'version':14s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'max |diff|':>11s}")
+    print("ms: do_bench median / CUDA-event median, each the mean over rounds")
+    print(f"{'shape':40s} {'version':14s} {'fwd ms':>15s} {'fwd+bwd ms':>17s} {'max |diff|':>11s}")
     H, D = args.heads, args.head_dim
     for shape in args.shapes:
         end = PrefixTree.from_sequences(SHAPES[shape]()).subtree_end.cuda()
@@ -97,14 +105,16 @@ def main():
                 times[name].append(time_version(versions[name], schedules[name], q, k, v, do))
         for name, module in versions.items():
             schedule = schedules[name]
-            fwd, fwd_bwd = (sum(t) / len(t) for t in zip(*times[name]))
+            fwd, fwd_bwd, fwd_event, fwd_bwd_event = (sum(t) / len(t) for t in zip(*times[name]))
             out = module.tree_attention(q, k, v, schedule=schedule)
             grads = torch.autograd.grad(out, (q, k, v), do)
             results = [out.detach().float()] + [x.float() for x in grads]
             first = first or results
             diff = max(float((a - b).abs().max()) for a, b in zip(results, first))
-            row[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "max_abs_diff": diff, "rounds": times[name]}
-            print(f"{shape:40s} {name:14s} {fwd:8.3f} {fwd_bwd:11.3f} {diff:11.2e}", flush=True)
+            row[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "fwd_event_ms": fwd_event, "fwd_bwd_event_ms": fwd_bwd_event,
+                         "max_abs_diff": diff, "rounds": times[name]}
+            print(f"{shape:40s} {name:14s} {fwd:7.3f}/{fwd_event:7.3f} {fwd_bwd:8.3f}/{fwd_bwd_event:8.3f} {diff:11.2e}",
+                  flush=True)
         rows.append(row)
         del q, k, v, do
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": args.versions,
