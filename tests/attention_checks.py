@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from dta_ref import attention, mask_from_subtree_end
@@ -94,3 +95,21 @@ def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0):
             failures.append(f"{report(name, f, e)} > bound {bound:.3e} (same-precision torch error {err_same:.3e})")
     assert not failures, "\n".join(failures)
     return fast
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Kernel outputs are allocated with torch.empty*: fill them with NaN so unwritten elements fail
+    (autouse in the modules that import it)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    def nan_empty_like(*args, **kwargs):
+        x = empty_like(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)

@@ -16,28 +16,16 @@ pytestmark = pytest.mark.kernel
 import dta_fast  # noqa: E402
 from dta_fast import build_schedule, tree_attention  # noqa: E402
 from dta_ref import PrefixTree, agentic_batch, grpo_batch  # noqa: E402
-from tests.attention_checks import check_tree_attention, random_depths, subtree_end_from_depths  # noqa: E402
+from tests.attention_checks import (  # noqa: E402
+    check_tree_attention,
+    poison_empty,  # noqa: F401 (autouse: unwritten kernel outputs are NaN)
+    random_depths,
+    subtree_end_from_depths,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]  # the interpreter's bfloat16 dot is unreliable; bf16 runs on GPU
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEVICE == "cuda" else CPU_DTYPES
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """Kernel outputs are allocated with torch.empty*: fill them with NaN so unwritten elements fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_empty(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
-
-    def nan_empty_like(*args, **kwargs):
-        x = empty_like(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
 
 
 def make_qkv(B, Hq, Hkv, Tq, Tk, D, dtype, seed=0):

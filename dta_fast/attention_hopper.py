@@ -1,0 +1,271 @@
+"""The tree-attention forward on Hopper (sm_90): warp-specialised, in Gluon.
+
+The twin of ``attention.tree_attention_fwd_kernel`` (same block lists, same
+blocks in the same order, the same online-softmax arithmetic: bitwise the
+same output and LSE), written with Hopper's own tools, which Triton's
+automatic pipelining does not reach for a tree's mix of full and partly
+visible key blocks (docs/benchmarks.md, "The forward, warp-specialised on
+Hopper"). One program per (query block of 128, batch row x query head),
+in three partitions that meet at mbarriers:
+
+- a loader warp: the program's Q (two halves of 64 rows), then the K and V
+  tiles of its live key blocks (the full ones run by run, then the partly
+  visible ones) by TMA into a ring of ``STAGES`` shared-memory buffers;
+- two compute warpgroups, one per half of the query block, each: S = Q K^T
+  and O += P V by wgmma (P from registers), the online softmax between.
+  The wgmma of S for block j is issued with the one of P V for block j-1,
+  so the softmax of S_j runs while P_{j-1} V_{j-1} is on the tensor cores;
+  and while one warpgroup runs its softmax the other's products can hold
+  them too.
+
+The Triton kernel stays the forward elsewhere (other GPUs, other head dims,
+float32, the interpreter, calls of under 64 queries).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (same arguments)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAVE_GLUON = True
+except ImportError:  # a Triton without Gluon: the Triton forward everywhere
+    HAVE_GLUON = False
+
+BLOCK_M, BLOCK_N = 128, 128  # the query block (two warpgroups of 64 rows) and the key block
+STAGES = 3  # K/V buffers in flight: 3 x 64 KB at head dim 128, under the H100's 227 KB with Q
+# DTA_HOPPER_FORWARD=0 keeps the Triton forward on Hopper too (for A/B timings)
+ENABLED = HAVE_GLUON and os.environ.get("DTA_HOPPER_FORWARD", "1") != "0"
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[int, int]) -> bool:
+    """Whether ``forward`` runs this call: Hopper, 16-bit, head dim 64 or 128, the (128, 128) block
+    lists, at least 64 queries (below that a call's cost is its host time), and q, k, v as TMA reads
+    them (16-byte aligned rows and strides, unit stride along the head dim)."""
+    if not ENABLED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if q.shape[-1] not in (64, 128) or q.shape[2] < 64 or blocks != (BLOCK_M, BLOCK_N):
+        return False
+    if _capability(q.device)[0] != 9:
+        return False
+    return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0
+                                                                       for s in x.stride()[:3]) for x in (q, k, v))
+
+
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device not in _CAPABILITY:
+        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return _CAPABILITY[device]
+
+
+def forward(q, k, v, o, lse, end, lists, sees_bad, qk_scale, batch_strides):
+    """Write o [B, Hq, Tq, D] and lse [B, Hq, Tq] as ``tree_attention_fwd_kernel`` does; v is V with its
+    non-finite rows zeroed, sees_bad the queries that see one of them (attention._forward)."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_block, kv_block = [1, 1, BLOCK_M // 2, D], [1, 1, BLOCK_N, D]
+    q_desc = _descriptor(q, q_block, dtype)
+    k_desc, v_desc = _descriptor(k, kv_block, dtype), _descriptor(v, kv_block, dtype)
+    num_m_blocks = -(-Tq // BLOCK_M)
+    # 4 warps here and 4 + 1 in the workers, rounded to 12; 168 registers each is the 64K of an SM,
+    # which the partitions then split 240 / 240 / 24
+    tree_attention_fwd_hopper_kernel[(num_m_blocks, B * Hq)](
+        q_desc, k_desc, v_desc, o, lse, end, lists.count, lists.full, lists.idx, lists.run, sees_bad,
+        qk_scale, *o.stride()[:3], *batch_strides, lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
+        STAGES=STAGES, num_warps=4, maxnreg=168,
+    )  # fmt: skip
+
+
+def _descriptor(x, block, dtype):
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _load_key_block(i, n, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty):
+        """Key block n into buffer i % STAGES, once its previous tiles are consumed."""
+        STAGES_: gl.constexpr = k_bufs.shape[0]
+        BLOCK_N_: gl.constexpr = k_bufs.shape[3]
+        s = i % STAGES_
+        mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, hk, n * BLOCK_N_, 0], ready.index(s), k_bufs.index(s))
+        _tma_load(v_desc, [b, hk, n * BLOCK_N_, 0], ready.index(s), v_bufs.index(s))
+        return i + 1
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX, KV_RUN,
+                start, mid, stop, b, h, hk, m0):  # fmt: skip
+        """The loader warp: Q, then the key blocks in the compute warpgroups' order."""
+        HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
+        _tma_load(q_desc, [b, h, m0 + HALF_M, 0], q_bar, q_bufs.index(1))
+        i = 0
+        e = start
+        while e < mid:
+            length = gl.load(KV_RUN + e)
+            first = gl.load(KV_IDX + e)
+            for n in range(first, first + length):
+                i = _load_key_block(i, n, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
+            e += length
+        for e in range(mid, stop):
+            i = _load_key_block(i, gl.load(KV_IDX + e), b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
+
+    @gluon.jit
+    def _softmax_block(i, acc, l_i, m_i, p_prev, q, k_bufs, v_bufs, ready, empty, n, pos_m, END, Tk, qk_scale,
+                       MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+        """Key block n, the i-th of the row: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} (for i = 0, P is
+        zero and V_0 stands in), the softmax of S_i while the second runs, then O rescaled and P_i made.
+        The arithmetic is attention._softmax_step's (the scale through the row max on full blocks)."""
+        STAGES_: gl.constexpr = k_bufs.shape[0]
+        HALF_M: gl.constexpr = q.shape[0]
+        BLOCK_N_: gl.constexpr = k_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = k_bufs.shape[4]
+        s_idx = i % STAGES_
+        prev = gl.where(i > 0, (i + STAGES_ - 1) % STAGES_, s_idx)
+        mbarrier.wait(ready.index(s_idx), (i // STAGES_) & 1)
+        k = k_bufs.index(s_idx).reshape([BLOCK_N_, HEAD_DIM])
+        v_prev = v_bufs.index(prev).reshape([BLOCK_N_, HEAD_DIM])
+        s_token = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([HALF_M, BLOCK_N_], gl.float32, layout=s_layout),
+                                use_acc=False, is_async=True)  # fmt: skip
+        o_token = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_token])  # in order: S is done, P V may still run
+        if MASKED:
+            offs_n = n * BLOCK_N_ + gl.arange(0, BLOCK_N_, layout=gl.SliceLayout(0, s_layout))
+            end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
+            visible = (offs_n[None, :] <= pos_m[:, None]) & (pos_m[:, None] < end_n[None, :])
+            s = gl.where(visible, s * qk_scale, float("-inf"))  # scaled before masking: -inf * 0 is NaN
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            p = gl.exp2(s - m_new[:, None])
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc, p_prev = warpgroup_mma_wait(0, deps=[o_token, p_prev])
+        mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)  # V_{i-1}'s buffer is free
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_prev = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        return i + 1, acc, l_i, m_new, p_prev
+
+    @gluon.jit
+    def _compute(HALF: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN,
+                 SEES_BAD, qk_scale, start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base):  # fmt: skip
+        """A compute warpgroup: rows HALF * 64 .. + 63 of the query block, through every key block, then
+        the epilogue of tree_attention_fwd_kernel (normalise, isolation's NaN, O and LSE stored)."""
+        STAGES_: gl.constexpr = k_bufs.shape[0]
+        HALF_M: gl.constexpr = q_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        BLOCK_N_: gl.constexpr = k_bufs.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N_, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        offs_m = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        pos_m = Tk - Tq + offs_m
+        m_i = gl.full([HALF_M], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))  # see the Triton twin
+        l_i = gl.zeros([HALF_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+        p_prev = gl.zeros([HALF_M, BLOCK_N_], q_bufs.dtype, layout=p_layout)
+        mbarrier.wait(q_bar, 0)
+        q = q_bufs.index(HALF).reshape([HALF_M, HEAD_DIM])
+        i = 0
+        e = start
+        while e < mid:  # full blocks, run by run
+            length = gl.load(KV_RUN + e)
+            first = gl.load(KV_IDX + e)
+            for n in range(first, first + length):
+                i, acc, l_i, m_i, p_prev = _softmax_block(i, acc, l_i, m_i, p_prev, q, k_bufs, v_bufs, ready, empty,
+                                                          n, pos_m, END, Tk, qk_scale, False, s_layout,
+                                                          o_layout)  # fmt: skip
+            e += length
+        for e in range(mid, stop):  # partly visible blocks
+            i, acc, l_i, m_i, p_prev = _softmax_block(i, acc, l_i, m_i, p_prev, q, k_bufs, v_bufs, ready, empty,
+                                                      gl.load(KV_IDX + e), pos_m, END, Tk, qk_scale, True, s_layout,
+                                                      o_layout)  # fmt: skip
+        if i > 0:  # the last block's P V
+            last = (i + STAGES_ - 1) % STAGES_
+            acc = warpgroup_mma(p_prev, v_bufs.index(last).reshape([BLOCK_N_, HEAD_DIM]), acc)
+            mbarrier.arrive(empty.index(last), count=1)
+
+        l_i = gl.where(l_i > 0, l_i, 1.0)  # rows past Tq saw nothing; they are not stored
+        mask_m = offs_m < Tq
+        gl.store(LSE + lse_base + offs_m, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=mask_m)
+        offs_mo = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
+        sees_bad = gl.load(SEES_BAD + sees_base + offs_mo, mask=offs_mo < Tq, other=0)
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        out = gl.where(sees_bad[:, None] != 0, float("nan"), out)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + o_base + offs_mo[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=(offs_mo < Tq)[:, None])  # fmt: skip
+
+    # warp_specialize passes a partition's arguments as values: the half is fixed by the function
+    @gluon.jit
+    def _compute_first_half(q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD,
+                            qk_scale, start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base):  # fmt: skip
+        _compute(0, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
+                 start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
+
+    @gluon.jit
+    def _compute_second_half(q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD,
+                             qk_scale, start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base):  # fmt: skip
+        _compute(1, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
+                 start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
+
+    @gluon.jit
+    def tree_attention_fwd_hopper_kernel(
+        q_desc, k_desc, v_desc, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN, SEES_BAD,
+        qk_scale,  # softmax scale * log2(e), at least 0
+        stride_ob, stride_oh, stride_ot, stride_eb, stride_kv_b, NK,
+        Hq, GROUP, Tq, Tk,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        hk = h // GROUP
+        m0 = pid_m * (2 * HALF_M)
+        row = (b * stride_kv_b + pid_m).to(gl.int64)  # the schedule is shared by the batch when subtree_end is
+        start = row * NK
+        mid = start + gl.load(KV_FULL + row)
+        stop = start + gl.load(KV_COUNT + row)
+        o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        sees_base = (b * (Hq // GROUP) + hk).to(gl.int64) * Tq
+        lse_base = pid_bh.to(gl.int64) * Tq
+        END += b.to(gl.int64) * stride_eb
+
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both compute warpgroups read every tile
+
+        compute_args = (q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
+                        start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
+        loader_args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX, KV_RUN,
+                       start, mid, stop, b, h, hk, m0)  # fmt: skip
+        gl.warp_specialize([(_compute_first_half, compute_args), (_compute_second_half, compute_args),
+                            (_loader, loader_args)], [4, 1], [240, 24])  # fmt: skip
