@@ -852,7 +852,7 @@ def _forward(q, k, v, schedule, sm_scale):
     # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
     v_finite, v_bad = _finite_rows(v)
     sees_bad = _queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
-    if attention_hopper.applies(q, k, v_finite, (BM, BN)):
+    if (BM, BN) == (attention_hopper.BLOCK_M, attention_hopper.BLOCK_N) and attention_hopper.applies(q, k, v_finite):
         attention_hopper.forward(q, k, v_finite, o, lse, end, lists, sees_bad, sm_scale * LOG2E,
                                  _batch_strides(end, num_m_blocks))  # fmt: skip
         return o, lse, v_finite
@@ -968,9 +968,14 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     Hkv, Tk = k.shape[1], k.shape[2]
     BM, BN = _blocks("dkdv", q)
     end = schedule.subtree_end
-    order = schedule.key_block_order(BM, BN)
     heads_per_row = B // end.shape[0] * Hkv
     dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if attention_hopper.applies(q, k, v, do):
+        order = schedule.key_block_order(attention_hopper.DKDV_BLOCK_M, attention_hopper.DKDV_BLOCK_N)
+        attention_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, sm_scale * LOG2E, sm_scale,
+                                       _batch_strides(end, 0)[0], heads_per_row)  # fmt: skip
+        return dk, dv
+    order = schedule.key_block_order(BM, BN)
     args = (
         q, k, v, do, lse, delta, dk, dv, end, order,
         sm_scale * LOG2E, sm_scale,

@@ -46,18 +46,18 @@ STAGES = 3  # K/V buffers in flight: 3 x 64 KB at head dim 128, under the H100's
 ENABLED = HAVE_GLUON and os.environ.get("DTA_HOPPER_FORWARD", "1") != "0"
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[int, int]) -> bool:
-    """Whether ``forward`` runs this call: Hopper, 16-bit, head dim 64 or 128, the (128, 128) block
-    lists, at least 64 queries (below that a call's cost is its host time), and q, k, v as TMA reads
-    them (16-byte aligned rows and strides, unit stride along the head dim)."""
+def applies(q: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the kernels here run this call: Hopper, 16-bit, head dim 64 or 128, at least 64 queries
+    (below that a call's cost is its host time), and every tensor as TMA reads it (16-byte aligned rows
+    and strides, unit stride along the head dim)."""
     if not ENABLED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[-1] not in (64, 128) or q.shape[2] < 64 or blocks != (BLOCK_M, BLOCK_N):
-        return False
+    if q.shape[-1] not in (64, 128) or q.shape[2] < 64 or q.numel() // q.shape[-1] >= 2**31:
+        return False  # (query rows index the backward's flat LSE by TMA, in int32)
     if _capability(q.device)[0] != 9:
         return False
     return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0
-                                                                       for s in x.stride()[:3]) for x in (q, k, v))
+                                                                       for s in x.stride()[:3]) for x in (q, *others))
 
 
 _CAPABILITY: dict = {}
@@ -269,3 +269,205 @@ if HAVE_GLUON:
                        start, mid, stop, b, h, hk, m0)  # fmt: skip
         gl.warp_specialize([(_compute_first_half, compute_args), (_compute_second_half, compute_args),
                             (_loader, loader_args)], [4, 1], [240, 24])  # fmt: skip
+
+
+# ------------------------------------------------------------------- dK/dV
+
+DKDV_BLOCK_M, DKDV_BLOCK_N = 64, 128  # queries per step; keys per program (two warpgroups of 64)
+DKDV_STAGES = 3
+
+
+def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scale, stride_eb, heads_per_row):
+    """Write dk, dv as ``tree_attention_bwd_dkdv_kernel`` does (q, do with their non-finite rows zeroed,
+    v the forward's; lse and delta the preprocess pass's); ``order`` is the schedule's key-block order for
+    (DKDV_BLOCK_M, DKDV_BLOCK_N)."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    block = [1, 1, DKDV_BLOCK_M, D]
+    descs = [_descriptor(x, block, dtype) for x in (q, k, v, do)]
+    tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row,)](
+        *descs, lse, delta, dk, dv, end, order, qk_scale, sm_scale,
+        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
+        STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
+    )  # fmt: skip
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
+                     delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq, m_lo, m_full_lo, m_full_hi, m_hi):  # fmt: skip
+        """The loader warp: K and V of the key block (two halves each), then Q and dO of every query block
+        the compute warpgroups walk, in their order."""
+        STAGES_: gl.constexpr = q_bufs.shape[0]
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        rows_layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            _tma_load(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, k_bufs.index(half))
+            _tma_load(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, v_bufs.index(half))
+        i = 0
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            for m in range(m_lo, m_hi):  # the three ranges of the compute partitions, back to back
+                s = i % STAGES_
+                mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)
+                # the rows' LSE and delta by plain loads, stored before the arrive that expect makes (which
+                # releases them to the compute warpgroups): they wait on this stage's tiles anyway
+                offs = m * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+                base = (b * Hq + h).to(gl.int64) * Tq
+                lse_bufs.index(s).store(gl.load(LSE + base + offs, mask=offs < Tq, other=0.0))
+                delta_bufs.index(s).store(gl.load(DELTA + base + offs, mask=offs < Tq, other=0.0))
+                mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, h, m * ROWS, 0], ready.index(s), q_bufs.index(s))
+                _tma_load(do_desc, [b, h, m * ROWS, 0], ready.index(s), do_bufs.index(s))
+                i += 1
+
+    @gluon.jit
+    def _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n, end_n, q_offset,
+                   qk_scale, MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+        """Query block m of one head against this warpgroup's 64 keys: attention._dkdv_query_blocks' step."""
+        STAGES_: gl.constexpr = q_bufs.shape[0]
+        ROWS: gl.constexpr = q_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        offs_m = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+        s_idx = i % STAGES_
+        mbarrier.wait(ready.index(s_idx), (i // STAGES_) & 1)
+        lse = lse_bufs.index(s_idx).load(gl.SliceLayout(0, s_layout)) * 1.4426950408889634
+        delta = delta_bufs.index(s_idx).load(gl.SliceLayout(0, s_layout))
+        q = q_bufs.index(s_idx).reshape([ROWS, HEAD_DIM])
+        do = do_bufs.index(s_idx).reshape([ROWS, HEAD_DIM])
+        s_t = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout),
+                            use_acc=False)  # [keys, queries]: 64 of each  # fmt: skip
+        p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+        if MASKED:
+            pos_m = q_offset + offs_m
+            visible = (offs_n[:, None] <= pos_m[None, :]) & (pos_m[None, :] < end_n[:, None])
+            p_t = gl.where(visible, p_t, 0.0)
+        p_op = gl.convert_layout(p_t.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        dv_token = warpgroup_mma(p_op, do, dv, is_async=True)
+        dp_token = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout),
+                                 use_acc=False, is_async=True)  # fmt: skip
+        dv, dp_t, p_op = warpgroup_mma_wait(0, deps=[dv_token, dp_token, p_op])
+        ds_t = p_t * (dp_t - delta[None, :])
+        ds_op = gl.convert_layout(ds_t.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        dk = warpgroup_mma(ds_op, q, dk)
+        mbarrier.arrive(empty.index(s_idx), count=1)
+        return i + 1, dk, dv
+
+    @gluon.jit
+    def _dkdv_compute(HALF: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
+                      DK, DV, END, sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt):  # fmt: skip
+        """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the query heads of
+        the GQA group and their live query blocks (masked head, full middle, masked tail), then stored."""
+        ROWS: gl.constexpr = q_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = q_bufs.shape[4]
+        KEYS: gl.constexpr = k_bufs.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, ROWS, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        offs_n = n0 + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
+        q_offset = Tk - Tq
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(kv_bar, 0)
+        k = k_bufs.index(HALF).reshape([KEYS, HEAD_DIM])
+        v = v_bufs.index(HALF).reshape([KEYS, HEAD_DIM])
+        i = 0
+        for g in range(GROUP):
+            for m in range(m_lo, m_full_lo):
+                i, dk, dv = _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n,
+                                       end_n, q_offset, qk_scale, True, s_layout, o_layout)  # fmt: skip
+            for m in range(m_full_lo, m_full_hi):
+                i, dk, dv = _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n,
+                                       end_n, q_offset, qk_scale, False, s_layout, o_layout)  # fmt: skip
+            for m in range(m_full_hi, m_hi):
+                i, dk, dv = _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n,
+                                       end_n, q_offset, qk_scale, True, s_layout, o_layout)  # fmt: skip
+
+        offs_no = gl.convert_layout(offs_n, gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        mask = (offs_no < Tk)[:, None]
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        gl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + offs_no[:, None] * stride_dkt + offs_d[None, :],
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)  # fmt: skip
+        gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + offs_no[:, None] * stride_dvt + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
+
+    @gluon.jit
+    def _dkdv_compute_first_half(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
+                                 sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                                 stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt):  # fmt: skip
+        _dkdv_compute(0, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
+                      qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
+
+    @gluon.jit
+    def _dkdv_compute_second_half(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
+                                  sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                                  stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt):  # fmt: skip
+        _dkdv_compute(1, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
+                      qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
+
+    @gluon.jit
+    def tree_attention_bwd_dkdv_hopper_kernel(
+        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, END, ORDER,
+        qk_scale, sm_scale,
+        stride_dkb, stride_dkh, stride_dkt,
+        stride_dvb, stride_dvh, stride_dvt,
+        stride_eb, heads_per_row,
+        Hq, Hkv, GROUP, Tq, Tk,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N_: gl.constexpr = 2 * ROWS
+        # the program's (batch, K/V head, key block), longest first (as tree_attention_bwd_dkdv_kernel)
+        pid = gl.program_id(0)
+        row = gl.load(ORDER + pid // heads_per_row)
+        rest = pid % heads_per_row
+        num_n_blocks = gl.cdiv(Tk, BLOCK_N_)
+        pid_n = row % num_n_blocks
+        b = (row // num_n_blocks) * (heads_per_row // Hkv) + rest // Hkv
+        hk = rest % Hkv
+        n0 = pid_n * BLOCK_N_
+        q_offset = Tk - Tq
+        END += b.to(gl.int64) * stride_eb
+        # the live query blocks of the key block and their full middle (attention's dK/dV kernel)
+        key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        offs_n = n0 + gl.arange(0, BLOCK_N_, layout=key_layout)
+        end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
+        k_last = gl.minimum(n0 + BLOCK_N_, Tk) - 1
+        min_end = gl.min(gl.where(offs_n < Tk, end_n, Tk), 0)
+        m_lo = gl.maximum(n0 - q_offset, 0) // ROWS
+        m_hi = gl.cdiv(gl.max(end_n, 0) - q_offset, ROWS)
+        m_full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(k_last - q_offset, 0), ROWS), m_lo), m_hi)
+        m_full_hi = gl.maximum(gl.minimum(gl.maximum(min_end - q_offset, 0) // ROWS, m_hi), m_full_lo)
+
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one stage
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], rows_layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], rows_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both compute warpgroups read every tile
+
+        compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
+                        qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                        stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
+        loader_args = (q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
+                       delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq, m_lo, m_full_lo, m_full_hi, m_hi)  # fmt: skip
+        gl.warp_specialize([(_dkdv_compute_first_half, compute_args), (_dkdv_compute_second_half, compute_args),
+                            (_dkdv_loader, loader_args)], [4, 1], [240, 24])  # fmt: skip
