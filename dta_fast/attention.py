@@ -995,6 +995,10 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
     lists = schedule.block_lists(BM, BN)
     num_m_blocks = _cdiv(Tq, BM)
     dq = torch.empty_like(q)
+    if (BM, BN) == (attention_hopper.DQ_BLOCK_M, attention_hopper.DQ_BLOCK_N) and attention_hopper.applies(q, k, v, do):
+        attention_hopper.backward_dq(q, k, v, do, lse, delta, dq, end, lists, sm_scale * LOG2E, sm_scale,
+                                     _batch_strides(end, num_m_blocks))  # fmt: skip
+        return dq
     args = (
         q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run,
         sm_scale * LOG2E, sm_scale,

@@ -471,3 +471,156 @@ if HAVE_GLUON:
                        delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq, m_lo, m_full_lo, m_full_hi, m_hi)  # fmt: skip
         gl.warp_specialize([(_dkdv_compute_first_half, compute_args), (_dkdv_compute_second_half, compute_args),
                             (_dkdv_loader, loader_args)], [4, 1], [240, 24])  # fmt: skip
+
+
+# ---------------------------------------------------------------------- dQ
+
+DQ_BLOCK_M, DQ_BLOCK_N = 64, 64  # the Triton dQ kernel's blocks: the same block lists, in the same order
+DQ_STAGES = 2  # 96 KB of shared memory at head dim 128: two programs per SM
+
+
+def backward_dq(q, k, v, do, lse, delta, dq, end, lists, qk_scale, sm_scale, batch_strides):
+    """Write dq as ``tree_attention_bwd_dq_kernel`` does (k with its non-finite rows zeroed, v the
+    forward's; lse and delta the preprocess pass's; lists for (DQ_BLOCK_M, DQ_BLOCK_N))."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_block, kv_block = [1, 1, DQ_BLOCK_M, D], [1, 1, DQ_BLOCK_N, D]
+    descs = [_descriptor(q, q_block, dtype), _descriptor(do, q_block, dtype),
+             _descriptor(k, kv_block, dtype), _descriptor(v, kv_block, dtype)]  # fmt: skip
+    num_m_blocks = -(-Tq // DQ_BLOCK_M)
+    # 4 warps here and a loader warp rounded to 4: 128 registers each lets two programs share an SM,
+    # split 232 / 24
+    tree_attention_bwd_dq_hopper_kernel[(num_m_blocks, B * Hq)](
+        *descs, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run, qk_scale, sm_scale,
+        *dq.stride()[:3], *batch_strides, lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
+        STAGES=DQ_STAGES, num_warps=4, maxnreg=128,
+    )  # fmt: skip
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_buf, do_buf, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX,
+                   KV_RUN, start, mid, stop, b, h, hk, m0):  # fmt: skip
+        """The loader warp: Q and dO of the query block, then K and V of its key blocks in order."""
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_buf)
+        _tma_load(do_desc, [b, h, m0, 0], q_bar, do_buf)
+        i = 0
+        e = start
+        while e < mid:
+            length = gl.load(KV_RUN + e)
+            first = gl.load(KV_IDX + e)
+            for n in range(first, first + length):
+                i = _load_key_block(i, n, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
+            e += length
+        for e in range(mid, stop):
+            i = _load_key_block(i, gl.load(KV_IDX + e), b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
+
+    @gluon.jit
+    def _dq_block(i, dq, q, do, lse, delta, k_bufs, v_bufs, ready, empty, n, pos_m, END, Tk, qk_scale,
+                  MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+        """Key block n, the i-th of the row: attention._dq_step with its scores."""
+        STAGES_: gl.constexpr = k_bufs.shape[0]
+        BLOCK_N_: gl.constexpr = k_bufs.shape[3]
+        HEAD_DIM: gl.constexpr = k_bufs.shape[4]
+        ROWS: gl.constexpr = q.shape[0]
+        s_idx = i % STAGES_
+        mbarrier.wait(ready.index(s_idx), (i // STAGES_) & 1)
+        k = k_bufs.index(s_idx).reshape([BLOCK_N_, HEAD_DIM])
+        v = v_bufs.index(s_idx).reshape([BLOCK_N_, HEAD_DIM])
+        s_token = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK_N_], gl.float32, layout=s_layout),
+                                use_acc=False, is_async=True)  # fmt: skip
+        dp_token = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK_N_], gl.float32, layout=s_layout),
+                                 use_acc=False, is_async=True)  # fmt: skip
+        s = warpgroup_mma_wait(1, deps=[s_token])
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            offs_n = n * BLOCK_N_ + gl.arange(0, BLOCK_N_, layout=gl.SliceLayout(0, s_layout))
+            end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
+            visible = (offs_n[None, :] <= pos_m[:, None]) & (pos_m[:, None] < end_n[None, :])
+            p = gl.where(visible, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp_token])
+        ds = p * (dp - delta[:, None])
+        ds_op = gl.convert_layout(ds.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        dq = warpgroup_mma(ds_op, k, dq)
+        mbarrier.arrive(empty.index(s_idx), count=1)
+        return i + 1, dq
+
+    @gluon.jit
+    def _dq_compute(q_buf, do_buf, k_bufs, v_bufs, q_bar, ready, empty, LSE, DELTA, DQ, END, KV_IDX, KV_RUN,
+                    qk_scale, sm_scale, start, mid, stop, m0, Tq, Tk, stride_dqt, dq_base, lse_base):  # fmt: skip
+        """The compute warpgroup: dQ of the query block over its key blocks, then stored."""
+        ROWS: gl.constexpr = q_buf.shape[2]
+        HEAD_DIM: gl.constexpr = q_buf.shape[3]
+        BLOCK_N_: gl.constexpr = k_bufs.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N_, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        offs_m = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        pos_m = Tk - Tq + offs_m
+        lse = gl.load(LSE + lse_base + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
+        delta = gl.load(DELTA + lse_base + offs_m, mask=offs_m < Tq, other=0.0)
+        dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(q_bar, 0)
+        q = q_buf.reshape([ROWS, HEAD_DIM])
+        do = do_buf.reshape([ROWS, HEAD_DIM])
+        i = 0
+        e = start
+        while e < mid:  # full blocks, run by run
+            length = gl.load(KV_RUN + e)
+            first = gl.load(KV_IDX + e)
+            for n in range(first, first + length):
+                i, dq = _dq_block(i, dq, q, do, lse, delta, k_bufs, v_bufs, ready, empty, n, pos_m, END, Tk, qk_scale,
+                                  False, s_layout, o_layout)  # fmt: skip
+            e += length
+        for e in range(mid, stop):  # partly visible blocks
+            i, dq = _dq_block(i, dq, q, do, lse, delta, k_bufs, v_bufs, ready, empty, gl.load(KV_IDX + e), pos_m, END,
+                              Tk, qk_scale, True, s_layout, o_layout)  # fmt: skip
+        offs_mo = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(DQ + dq_base + offs_mo[:, None] * stride_dqt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=(offs_mo < Tq)[:, None])  # fmt: skip
+
+    @gluon.jit
+    def tree_attention_bwd_dq_hopper_kernel(
+        q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN,
+        qk_scale, sm_scale,
+        stride_dqb, stride_dqh, stride_dqt, stride_eb, stride_kv_b, NK,
+        Hq, GROUP, Tq, Tk,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        hk = h // GROUP
+        m0 = pid_m * ROWS
+        row = (b * stride_kv_b + pid_m).to(gl.int64)  # the schedule is shared by the batch when subtree_end is
+        start = row * NK
+        mid = start + gl.load(KV_FULL + row)
+        stop = start + gl.load(KV_COUNT + row)
+        dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+        lse_base = pid_bh.to(gl.int64) * Tq
+        END += b.to(gl.int64) * stride_eb
+
+        q_buf = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        do_buf = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+
+        compute_args = (q_buf, do_buf, k_bufs, v_bufs, q_bar, ready, empty, LSE, DELTA, DQ, END, KV_IDX, KV_RUN,
+                        qk_scale, sm_scale, start, mid, stop, m0, Tq, Tk, stride_dqt, dq_base, lse_base)  # fmt: skip
+        loader_args = (q_desc, do_desc, k_desc, v_desc, q_buf, do_buf, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX,
+                       KV_RUN, start, mid, stop, b, h, hk, m0)  # fmt: skip
+        gl.warp_specialize([(_dq_compute, compute_args), (_dq_loader, loader_args)], [1], [24])
