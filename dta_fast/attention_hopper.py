@@ -1,25 +1,31 @@
-"""The tree-attention forward on Hopper (sm_90): warp-specialised, in Gluon.
+"""Tree attention's three kernels on Hopper (sm_90), warp-specialised, in Gluon.
 
-The twin of ``attention.tree_attention_fwd_kernel`` (same block lists, same
-blocks in the same order, the same online-softmax arithmetic: bitwise the
-same output and LSE), written with Hopper's own tools, which Triton's
-automatic pipelining does not reach for a tree's mix of full and partly
-visible key blocks (docs/benchmarks.md, "The forward, warp-specialised on
-Hopper"). One program per (query block of 128, batch row x query head),
-in three partitions that meet at mbarriers:
+Twins of the Triton kernels in ``attention.py`` (the same blocks, taken in the same order, with the
+same arithmetic: bitwise the same outputs, LSE and gradients), written with Hopper's own tools, which
+Triton's automatic pipelining does not reach for a tree's mix of full and partly visible blocks
+(docs/benchmarks.md, "The three kernels warp-specialised on Hopper"). Each kernel's program is split
+into partitions that meet at mbarriers in shared memory:
 
-- a loader warp: the program's Q (two halves of 64 rows), then the K and V
-  tiles of its live key blocks (the full ones run by run, then the partly
-  visible ones) by TMA into a ring of ``STAGES`` shared-memory buffers;
-- two compute warpgroups, one per half of the query block, each: S = Q K^T
-  and O += P V by wgmma (P from registers), the online softmax between.
-  The wgmma of S for block j is issued with the one of P V for block j-1,
-  so the softmax of S_j runs while P_{j-1} V_{j-1} is on the tensor cores;
-  and while one warpgroup runs its softmax the other's products can hold
-  them too.
+- a loader warp that issues every TMA load: the program's fixed tiles first, then its ring of
+  ``STAGES`` buffers, refilled as the compute warps release them;
+- compute warpgroups that run the wgmma products and the softmax arithmetic between them; while one
+  warpgroup does arithmetic another's products can hold the tensor cores.
 
-The Triton kernel stays the forward elsewhere (other GPUs, other head dims,
-float32, the interpreter, calls of under 64 queries).
+Forward (``tree_attention_fwd_hopper_kernel``): a query block of 128 rows, one compute warpgroup per
+64; the loader brings Q, then K and V of the row's key blocks (the block lists of the Triton
+forward). S = Q K_j^T is issued with the previous block's O += P V, so the softmax of S_j runs while
+that product does.
+
+dK/dV (``tree_attention_bwd_dkdv_hopper_kernel``): a key block of 128, one compute warpgroup per 64
+keys holding its dK and dV; the loader brings K and V once, then per step the Q and dO tiles of 64
+queries with their rows' LSE and delta, over the query heads of the GQA group and the key block's
+contiguous query range (masked head, full middle, masked tail).
+
+dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks (64 queries, key blocks of 64),
+one compute warpgroup; small enough in registers and shared memory for two programs per SM.
+
+The Triton kernels stay the path elsewhere (other GPUs, head dims other than 64 and 128, float32, the
+interpreter, calls of under 64 queries). Triton 3.6 and later (Gluon) compile these.
 """
 
 from __future__ import annotations
@@ -108,13 +114,9 @@ if HAVE_GLUON:
         return i + 1
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX, KV_RUN,
-                start, mid, stop, b, h, hk, m0):  # fmt: skip
-        """The loader warp: Q, then the key blocks in the compute warpgroups' order."""
-        HALF_M: gl.constexpr = q_desc.block_type.shape[2]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
-        _tma_load(q_desc, [b, h, m0 + HALF_M, 0], q_bar, q_bufs.index(1))
+    def _load_key_blocks(start, mid, stop, KV_IDX, KV_RUN, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty):
+        """A row's key blocks (attention.BlockLists) in the order the compute warps take them: the full
+        ones run by run, then the partly visible ones."""
         i = 0
         e = start
         while e < mid:
@@ -125,6 +127,16 @@ if HAVE_GLUON:
             e += length
         for e in range(mid, stop):
             i = _load_key_block(i, gl.load(KV_IDX + e), b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX, KV_RUN,
+                start, mid, stop, b, h, hk, m0):  # fmt: skip
+        """The loader warp: Q, then the key blocks in the compute warpgroups' order."""
+        HALF_M: gl.constexpr = q_desc.block_type.shape[2]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
+        _tma_load(q_desc, [b, h, m0 + HALF_M, 0], q_bar, q_bufs.index(1))
+        _load_key_blocks(start, mid, stop, KV_IDX, KV_RUN, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
 
     @gluon.jit
     def _softmax_block(i, acc, l_i, m_i, p_prev, q, k_bufs, v_bufs, ready, empty, n, pos_m, END, Tk, qk_scale,
@@ -507,16 +519,7 @@ if HAVE_GLUON:
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, m0, 0], q_bar, q_buf)
         _tma_load(do_desc, [b, h, m0, 0], q_bar, do_buf)
-        i = 0
-        e = start
-        while e < mid:
-            length = gl.load(KV_RUN + e)
-            first = gl.load(KV_IDX + e)
-            for n in range(first, first + length):
-                i = _load_key_block(i, n, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
-            e += length
-        for e in range(mid, stop):
-            i = _load_key_block(i, gl.load(KV_IDX + e), b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
+        _load_key_blocks(start, mid, stop, KV_IDX, KV_RUN, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
 
     @gluon.jit
     def _dq_block(i, dq, q, do, lse, delta, k_bufs, v_bufs, ready, empty, n, pos_m, END, Tk, qk_scale,

@@ -29,33 +29,48 @@ IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 pytestmark = pytest.mark.skipif(not attention_hopper.HAVE_GLUON, reason="this Triton has no Gluon")
 
 
-def compile_for_hopper(head_dim: int, dtype_name: str) -> dict:
-    """Compile the kernel for sm_90 on this host (no GPU needed); what the compiler reports."""
+def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict:
+    """Compile one of the kernels for sm_90 on this host (no GPU needed); what the compiler reports."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    gl = attention_hopper.gl
+    H = attention_hopper
+    gl = H.gl
     dtype = getattr(torch, dtype_name)
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     x = torch.empty(2, 4, 1000, head_dim, dtype=dtype)
-    ints = torch.empty(8, dtype=torch.int32)
-    args = dict(
-        q_desc=attention_hopper._descriptor(x, [1, 1, attention_hopper.BLOCK_M // 2, head_dim], gl_dtype),
-        k_desc=attention_hopper._descriptor(x, [1, 1, attention_hopper.BLOCK_N, head_dim], gl_dtype),
-        v_desc=attention_hopper._descriptor(x, [1, 1, attention_hopper.BLOCK_N, head_dim], gl_dtype),
-        O=x, LSE=torch.empty(4), END=ints, KV_COUNT=ints, KV_FULL=ints, KV_IDX=ints, KV_RUN=ints,
-        SEES_BAD=torch.empty(4, dtype=torch.int8), qk_scale=0.1, stride_ob=4000 * head_dim, stride_oh=1000 * head_dim,
-        stride_ot=head_dim, stride_eb=0, stride_kv_b=0, NK=8, Hq=4, GROUP=1, Tq=1000, Tk=1000,
-    )  # fmt: skip
-    kernel = attention_hopper.tree_attention_fwd_hopper_kernel
+    ints, floats = torch.empty(8, dtype=torch.int32), torch.empty(4)
+    strides = dict(zip("bht", x.stride()[:3]))
+
+    def desc(rows):
+        return H._descriptor(x, [1, 1, rows, head_dim], gl_dtype)
+
+    scalars = dict(Hq=4, GROUP=1, Tq=1000, Tk=1000, qk_scale=0.1, stride_eb=0)
+    lists = dict(KV_COUNT=ints, KV_FULL=ints, KV_IDX=ints, KV_RUN=ints, stride_kv_b=0, NK=8)
+    if kernel_name == "forward":
+        kernel, stages, maxnreg = H.tree_attention_fwd_hopper_kernel, H.STAGES, 168
+        args = dict(q_desc=desc(H.BLOCK_M // 2), k_desc=desc(H.BLOCK_N), v_desc=desc(H.BLOCK_N), O=x, LSE=floats,
+                    END=ints, SEES_BAD=torch.empty(4, dtype=torch.int8), **lists, **scalars,
+                    **{f"stride_o{d}": v for d, v in strides.items()})  # fmt: skip
+    elif kernel_name == "dkdv":
+        kernel, stages, maxnreg = H.tree_attention_bwd_dkdv_hopper_kernel, H.DKDV_STAGES, 168
+        args = dict(q_desc=desc(H.DKDV_BLOCK_M), k_desc=desc(H.DKDV_BLOCK_N // 2), v_desc=desc(H.DKDV_BLOCK_N // 2),
+                    do_desc=desc(H.DKDV_BLOCK_M), LSE=floats, DELTA=floats, DK=x, DV=x, END=ints, ORDER=ints,
+                    sm_scale=0.1, heads_per_row=4, Hkv=4, **scalars, **{f"stride_dk{d}": v for d, v in strides.items()},
+                    **{f"stride_dv{d}": v for d, v in strides.items()})  # fmt: skip
+    else:
+        kernel, stages, maxnreg = H.tree_attention_bwd_dq_hopper_kernel, H.DQ_STAGES, 128
+        args = dict(q_desc=desc(H.DQ_BLOCK_M), do_desc=desc(H.DQ_BLOCK_M), k_desc=desc(H.DQ_BLOCK_N),
+                    v_desc=desc(H.DQ_BLOCK_N), LSE=floats, DELTA=floats, DQ=x, END=ints, sm_scale=0.1, **lists,
+                    **scalars, **{f"stride_dq{d}": v for d, v in strides.items()})  # fmt: skip
     names = inspect.signature(kernel.fn).parameters
     signature = {n: "constexpr" if n == "STAGES" else mangle_type(args[n]) for n in names}
-    source = GluonASTSource(kernel, signature, constexprs={"STAGES": attention_hopper.STAGES})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    source = GluonASTSource(kernel, signature, constexprs={"STAGES": stages})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
     ptx = compiled.asm["ptx"]
-    return {"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+    return {"kernel": kernel_name, "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
             "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
 
 
@@ -63,15 +78,19 @@ def compile_for_hopper(head_dim: int, dtype_name: str) -> dict:
 def test_compiles_for_hopper():
     """In a process of its own: Triton's interpreter (the CPU suite's mode) replaces the jit functions
     Gluon's reductions are built from, so the compiler cannot run beside it."""
-    code = ("import json, tests.test_attention_hopper as t; print(json.dumps([t.compile_for_hopper(d, n) "
-            "for d in (64, 128) for n in ('bfloat16', 'float16')]))")
+    code = ("import json, tests.test_attention_hopper as t; print(json.dumps([t.compile_for_hopper(k, d, n) "
+            "for k in ('forward', 'dkdv', 'dq') for d in (64, 128) for n in ('bfloat16', 'float16')]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
                           cwd=Path(__file__).parent.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    for report in json.loads(done.stdout.strip().splitlines()[-1]):
-        assert report["num_warps"] == 12, report  # 4 + 4 compute, 1 loader rounded up to a warpgroup
-        assert 0 < report["shared"] <= HOPPER_SHARED_MEMORY, report
+    reports = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(reports) == 12
+    for report in reports:
+        # forward and dK/dV: 4 + 4 compute warps and a loader warp rounded up to a warpgroup; dQ: 4 + 1
+        assert report["num_warps"] == (8 if report["kernel"] == "dq" else 12), report
+        limit = HOPPER_SHARED_MEMORY // (2 if report["kernel"] == "dq" else 1)  # dQ: two programs per SM
+        assert 0 < report["shared"] <= limit, report
         assert report["wgmma"] and report["setmaxnreg"], report
 
 
@@ -154,16 +173,25 @@ def test_bitwise_the_triton_forward(name, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU")
-def test_gradients_through_the_hopper_forward(monkeypatch):
-    """The backward reads the forward's LSE: the gradients are bitwise those with the Triton forward."""
-    q, k, v, end, _ = _case("agentic")
-    do = torch.randn_like(q)
-    schedule = build_schedule(end)
+@pytest.mark.parametrize("name", CASES)
+def test_gradients_bitwise_the_triton_kernels(name, monkeypatch):
+    """dK/dV and dQ run on Hopper (and the backward reads the Hopper forward's LSE): every gradient is
+    bitwise the one the Triton kernels give."""
+    q, k, v, end, scale = _case(name)
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator(device="cuda").manual_seed(1))
+    schedule = build_schedule(end, q.shape[2])
+    ran = []
+    for kernel in ("backward_dkdv", "backward_dq"):
+        original = getattr(attention_hopper, kernel)
+        monkeypatch.setattr(attention_hopper, kernel, lambda *a, _f=original, _k=kernel: ran.append(_k) or _f(*a))
     grads = []
     for enabled in (True, False):
         monkeypatch.setattr(attention_hopper, "ENABLED", enabled)
         x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        tree_attention(*x, schedule=schedule).backward(do)
+        tree_attention(*x, scale=scale, schedule=schedule).backward(do)
         grads.append([t.grad for t in x])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert ran == ["backward_dkdv", "backward_dq"]
+    for a, b, what in zip(*grads, ("dq", "dk", "dv")):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
+    if name == "non-finite rows":
+        assert all(g.isnan().any() and not g.isnan().all() for g in grads[0])
