@@ -21,8 +21,9 @@ keys holding its dK and dV; the loader brings K and V once, then per step the Q 
 queries with their rows' LSE and delta, over the query heads of the GQA group and the key block's
 contiguous query range (masked head, full middle, masked tail).
 
-dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks (64 queries, key blocks of 64),
-one compute warpgroup; small enough in registers and shared memory for two programs per SM.
+dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks at head dim 128 (64 queries, key
+blocks of 64; at head dim 64 the Triton dQ, with key blocks of 128, stays), one compute warpgroup; small
+enough in registers and shared memory for two programs per SM.
 
 The Triton kernels stay the path elsewhere (other GPUs, head dims other than 64 and 128, float32, the
 interpreter, calls of under 64 queries). Triton 3.6 and later (Gluon) compile these.
@@ -325,12 +326,14 @@ if HAVE_GLUON:
             for m in range(m_lo, m_hi):  # the three ranges of the compute partitions, back to back
                 s = i % STAGES_
                 mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)
-                # the rows' LSE and delta by plain loads, stored before the arrive that expect makes (which
-                # releases them to the compute warpgroups): they wait on this stage's tiles anyway
+                # the rows' LSE and delta by plain loads, stored before the arrive that expect makes, which
+                # releases them to the compute warpgroups (they wait on this stage's tiles anyway). That
+                # arrive is one lane's: the warp's barrier first orders every lane's stores before it
                 offs = m * ROWS + gl.arange(0, ROWS, layout=rows_layout)
                 base = (b * Hq + h).to(gl.int64) * Tq
                 lse_bufs.index(s).store(gl.load(LSE + base + offs, mask=offs < Tq, other=0.0))
                 delta_bufs.index(s).store(gl.load(DELTA + base + offs, mask=offs < Tq, other=0.0))
+                gl.thread_barrier()
                 mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 _tma_load(q_desc, [b, h, m * ROWS, 0], ready.index(s), q_bufs.index(s))
                 _tma_load(do_desc, [b, h, m * ROWS, 0], ready.index(s), do_bufs.index(s))

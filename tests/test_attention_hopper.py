@@ -190,7 +190,8 @@ def test_gradients_bitwise_the_triton_kernels(name, monkeypatch):
         x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         tree_attention(*x, scale=scale, schedule=schedule).backward(do)
         grads.append([t.grad for t in x])
-    assert ran == ["backward_dkdv", "backward_dq"]
+    # at head dim 64 the Triton dQ's blocks are 64 x 128, which the Hopper dQ does not take: Triton's runs
+    assert ran == (["backward_dkdv", "backward_dq"] if q.shape[-1] == 128 else ["backward_dkdv"])
     for a, b, what in zip(*grads, ("dq", "dk", "dv")):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
     if name == "non-finite rows":
