@@ -49,8 +49,8 @@ except ImportError:  # a Triton without Gluon: the Triton forward everywhere
 
 BLOCK_M, BLOCK_N = 128, 128  # the query block (two warpgroups of 64 rows) and the key block
 STAGES = 3  # K/V buffers in flight: 3 x 64 KB at head dim 128, under the H100's 227 KB with Q
-# DTA_HOPPER_FORWARD=0 keeps the Triton forward on Hopper too (for A/B timings)
-ENABLED = HAVE_GLUON and os.environ.get("DTA_HOPPER_FORWARD", "1") != "0"
+# DTA_HOPPER_KERNELS=0 keeps the Triton kernels on Hopper too (A/B timings; racecheck, .ci/README.md)
+ENABLED = HAVE_GLUON and os.environ.get("DTA_HOPPER_KERNELS", "1") != "0"
 
 
 def applies(q: torch.Tensor, *others: torch.Tensor) -> bool:
