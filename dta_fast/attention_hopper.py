@@ -41,8 +41,10 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases async_load (same arguments)
+    # Triton 3.6 names the TMA load async_copy_global_to_shared, later releases async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # and gl.thread_barrier gl.barrier (in a warp-specialised partition, a barrier of that partition)
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     HAVE_GLUON = True
 except ImportError:  # a Triton without Gluon: the Triton forward everywhere
     HAVE_GLUON = False
@@ -101,6 +103,31 @@ def _descriptor(x, block, dtype):
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _query_block_row(KV_FULL, KV_COUNT, stride_kv_b, NK, Hq, GROUP):
+        """A (query block, batch row x query head) program's heads and its span of the block lists (the
+        schedule is shared by the batch when subtree_end is)."""
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        row = (b * stride_kv_b + pid_m).to(gl.int64)
+        start = row * NK
+        return pid_m, pid_bh, b, h, h // GROUP, start, start + gl.load(KV_FULL + row), start + gl.load(KV_COUNT + row)
+
+    @gluon.jit
+    def _ring(a_desc, b_desc, STAGES: gl.constexpr, READERS: gl.constexpr):
+        """STAGES buffers of an (a, b) pair of tiles, each with a barrier the loader fills (ready) and one
+        its READERS compute partitions release (empty)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=READERS)
+        return a_bufs, b_bufs, ready, empty
 
     @gluon.jit
     def _load_key_block(i, n, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty):
@@ -250,31 +277,17 @@ if HAVE_GLUON:
         STAGES: gl.constexpr,
     ):  # fmt: skip
         HALF_M: gl.constexpr = q_desc.block_type.shape[2]
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // Hq
-        h = pid_bh % Hq
-        hk = h // GROUP
+        pid_m, pid_bh, b, h, hk, start, mid, stop = _query_block_row(KV_FULL, KV_COUNT, stride_kv_b, NK, Hq, GROUP)
         m0 = pid_m * (2 * HALF_M)
-        row = (b * stride_kv_b + pid_m).to(gl.int64)  # the schedule is shared by the batch when subtree_end is
-        start = row * NK
-        mid = start + gl.load(KV_FULL + row)
-        stop = start + gl.load(KV_COUNT + row)
         o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
         sees_base = (b * (Hq // GROUP) + hk).to(gl.int64) * Tq
         lse_base = pid_bh.to(gl.int64) * Tq
         END += b.to(gl.int64) * stride_eb
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, 2)  # both compute warpgroups read every tile
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both compute warpgroups read every tile
 
         compute_args = (q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
                         start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
@@ -333,7 +346,7 @@ if HAVE_GLUON:
                 base = (b * Hq + h).to(gl.int64) * Tq
                 lse_bufs.index(s).store(gl.load(LSE + base + offs, mask=offs < Tq, other=0.0))
                 delta_bufs.index(s).store(gl.load(DELTA + base + offs, mask=offs < Tq, other=0.0))
-                gl.thread_barrier()
+                _barrier()
                 mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 _tma_load(q_desc, [b, h, m * ROWS, 0], ready.index(s), q_bufs.index(s))
                 _tma_load(do_desc, [b, h, m * ROWS, 0], ready.index(s), do_bufs.index(s))
@@ -466,18 +479,12 @@ if HAVE_GLUON:
 
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        q_bufs, do_bufs, ready, empty = _ring(q_desc, do_desc, STAGES, 2)  # both compute warpgroups read every tile
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one stage
         lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], rows_layout)
         delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], rows_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both compute warpgroups read every tile
 
         compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
                         qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
@@ -599,31 +606,17 @@ if HAVE_GLUON:
         STAGES: gl.constexpr,
     ):  # fmt: skip
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // Hq
-        h = pid_bh % Hq
-        hk = h // GROUP
+        pid_m, pid_bh, b, h, hk, start, mid, stop = _query_block_row(KV_FULL, KV_COUNT, stride_kv_b, NK, Hq, GROUP)
         m0 = pid_m * ROWS
-        row = (b * stride_kv_b + pid_m).to(gl.int64)  # the schedule is shared by the batch when subtree_end is
-        start = row * NK
-        mid = start + gl.load(KV_FULL + row)
-        stop = start + gl.load(KV_COUNT + row)
         dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
         lse_base = pid_bh.to(gl.int64) * Tq
         END += b.to(gl.int64) * stride_eb
 
         q_buf = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
         do_buf = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, 1)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
 
         compute_args = (q_buf, do_buf, k_bufs, v_bufs, q_bar, ready, empty, LSE, DELTA, DQ, END, KV_IDX, KV_RUN,
                         qk_scale, sm_scale, start, mid, stop, m0, Tq, Tk, stride_dqt, dq_base, lse_base)  # fmt: skip
