@@ -104,6 +104,11 @@ def _descriptor(x, block, dtype):
 
 if HAVE_GLUON:
 
+    @gluon.constexpr_function
+    def _wgmma_layout(n):
+        """Registers of a warpgroup's [64, n] wgmma accumulator."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _query_block_row(KV_FULL, KV_COUNT, stride_kv_b, NK, Hq, GROUP):
         """A (query block, batch row x query head) program's heads and its span of the block lists (the
@@ -204,18 +209,16 @@ if HAVE_GLUON:
         return i + 1, acc, l_i, m_new, p_prev
 
     @gluon.jit
-    def _compute(HALF: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN,
-                 SEES_BAD, qk_scale, start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base):  # fmt: skip
+    def _compute(q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
+                 start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base, HALF):  # fmt: skip
         """A compute warpgroup: rows HALF * 64 .. + 63 of the query block, through every key block, then
         the epilogue of tree_attention_fwd_kernel (normalise, isolation's NaN, O and LSE stored)."""
         STAGES_: gl.constexpr = k_bufs.shape[0]
         HALF_M: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         BLOCK_N_: gl.constexpr = k_bufs.shape[3]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N_, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N_)
+        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         offs_m = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
         pos_m = Tk - Tq + offs_m
@@ -255,19 +258,6 @@ if HAVE_GLUON:
         gl.store(O + o_base + offs_mo[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=(offs_mo < Tq)[:, None])  # fmt: skip
 
-    # warp_specialize passes a partition's arguments as values: the half is fixed by the function
-    @gluon.jit
-    def _compute_first_half(q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD,
-                            qk_scale, start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base):  # fmt: skip
-        _compute(0, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
-                 start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
-
-    @gluon.jit
-    def _compute_second_half(q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD,
-                             qk_scale, start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base):  # fmt: skip
-        _compute(1, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, O, LSE, END, KV_IDX, KV_RUN, SEES_BAD, qk_scale,
-                 start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
-
     @gluon.jit
     def tree_attention_fwd_hopper_kernel(
         q_desc, k_desc, v_desc, O, LSE, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN, SEES_BAD,
@@ -293,8 +283,9 @@ if HAVE_GLUON:
                         start, mid, stop, m0, Tq, Tk, stride_ot, o_base, sees_base, lse_base)  # fmt: skip
         loader_args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, ready, empty, KV_IDX, KV_RUN,
                        start, mid, stop, b, h, hk, m0)  # fmt: skip
-        gl.warp_specialize([(_compute_first_half, compute_args), (_compute_second_half, compute_args),
-                            (_loader, loader_args)], [4, 1], [240, 24])  # fmt: skip
+        # the half is an argument, a value (a partition's arguments are not constexprs)
+        first, second = compute_args + (gl.to_tensor(0),), compute_args + (gl.to_tensor(1),)
+        gl.warp_specialize([(_compute, first), (_compute, second), (_loader, loader_args)], [4, 1], [240, 24])
 
 
 # ------------------------------------------------------------------- dK/dV
@@ -323,7 +314,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
-                     delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq, m_lo, m_full_lo, m_full_hi, m_hi):  # fmt: skip
+                     delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq,
+                     m_lo, m_full_lo, m_full_hi, m_hi):  # fmt: skip
         """The loader warp: K and V of the key block (two halves each), then Q and dO of every query block
         the compute warpgroups walk, in their order."""
         STAGES_: gl.constexpr = q_bufs.shape[0]
@@ -385,18 +377,16 @@ if HAVE_GLUON:
         return i + 1, dk, dv
 
     @gluon.jit
-    def _dkdv_compute(HALF: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty,
-                      DK, DV, END, sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt):  # fmt: skip
+    def _dkdv_compute(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
+                      sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, HALF):  # fmt: skip
         """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the query heads of
         the GQA group and their live query blocks (masked head, full middle, masked tail), then stored."""
         ROWS: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         KEYS: gl.constexpr = k_bufs.shape[3]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, ROWS, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(ROWS)
+        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         offs_n = n0 + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
         end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
         q_offset = Tk - Tq
@@ -426,22 +416,6 @@ if HAVE_GLUON:
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)  # fmt: skip
         gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + offs_no[:, None] * stride_dvt + offs_d[None, :],
                  dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
-
-    @gluon.jit
-    def _dkdv_compute_first_half(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                                 sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                                 stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt):  # fmt: skip
-        _dkdv_compute(0, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
-                      qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
-
-    @gluon.jit
-    def _dkdv_compute_second_half(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                                  sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                                  stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt):  # fmt: skip
-        _dkdv_compute(1, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
-                      qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
 
     @gluon.jit
     def tree_attention_bwd_dkdv_hopper_kernel(
@@ -486,13 +460,15 @@ if HAVE_GLUON:
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
 
-        compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END, sm_scale,
-                        qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+        compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
+                        sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
                         stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
         loader_args = (q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
-                       delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq, m_lo, m_full_lo, m_full_hi, m_hi)  # fmt: skip
-        gl.warp_specialize([(_dkdv_compute_first_half, compute_args), (_dkdv_compute_second_half, compute_args),
-                            (_dkdv_loader, loader_args)], [4, 1], [240, 24])  # fmt: skip
+                       delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq,
+                       m_lo, m_full_lo, m_full_hi, m_hi)  # fmt: skip
+        first, second = compute_args + (gl.to_tensor(0),), compute_args + (gl.to_tensor(1),)
+        gl.warp_specialize([(_dkdv_compute, first), (_dkdv_compute, second), (_dkdv_loader, loader_args)], [4, 1],
+                           [240, 24])  # fmt: skip
 
 
 # ---------------------------------------------------------------------- dQ
@@ -568,10 +544,8 @@ if HAVE_GLUON:
         ROWS: gl.constexpr = q_buf.shape[2]
         HEAD_DIM: gl.constexpr = q_buf.shape[3]
         BLOCK_N_: gl.constexpr = k_bufs.shape[3]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N_, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N_)
+        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         offs_m = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         pos_m = Tk - Tq + offs_m
         lse = gl.load(LSE + lse_base + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
@@ -594,8 +568,8 @@ if HAVE_GLUON:
                               Tk, qk_scale, True, s_layout, o_layout)  # fmt: skip
         offs_mo = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(DQ + dq_base + offs_mo[:, None] * stride_dqt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                 mask=(offs_mo < Tq)[:, None])  # fmt: skip
+        gl.store(DQ + dq_base + offs_mo[:, None] * stride_dqt + offs_d[None, :],
+                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_mo < Tq)[:, None])  # fmt: skip
 
     @gluon.jit
     def tree_attention_bwd_dq_hopper_kernel(
