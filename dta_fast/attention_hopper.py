@@ -43,10 +43,10 @@ try:
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared, later releases async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # and gl.thread_barrier gl.barrier (in a warp-specialised partition, a barrier of that partition)
+    # and its gl.thread_barrier gl.barrier (inside a warp-specialised partition: that partition's barrier)
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     HAVE_GLUON = True
-except ImportError:  # a Triton without Gluon: the Triton forward everywhere
+except ImportError:  # a Triton without Gluon: the Triton kernels everywhere
     HAVE_GLUON = False
 
 BLOCK_M, BLOCK_N = 128, 128  # the query block (two warpgroups of 64 rows) and the key block
@@ -61,9 +61,7 @@ def applies(q: torch.Tensor, *others: torch.Tensor) -> bool:
     and strides, unit stride along the head dim)."""
     if not ENABLED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[-1] not in (64, 128) or q.shape[2] < 64 or q.numel() // q.shape[-1] >= 2**31:
-        return False  # (query rows index the backward's flat LSE by TMA, in int32)
-    if _capability(q.device)[0] != 9:
+    if q.shape[-1] not in (64, 128) or q.shape[2] < 64 or _capability(q.device)[0] != 9:
         return False
     return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0
                                                                        for s in x.stride()[:3]) for x in (q, *others))
