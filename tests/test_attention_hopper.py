@@ -1,9 +1,9 @@
-"""The Hopper forward (dta_fast/attention_hopper.py).
+"""The Hopper kernels (dta_fast/attention_hopper.py).
 
-On any host: it compiles for sm_90 with the installed Triton (CI checks the oldest supported one and
-the newest) and fits an H100's shared memory. On a Hopper GPU: it runs exactly where ``applies`` says,
-and its output and LSE are bitwise those of the Triton forward it stands in for, which the rest of the
-suite checks against the reference (outputs and gradients) on every GPU.
+On any host: all three compile for sm_90 with the installed Triton (CI checks the oldest supported one
+and the newest) and fit an H100's shared memory. On a Hopper GPU: they run where ``applies`` says, and
+their outputs, LSE and gradients are bitwise those of the Triton kernels they stand in for, which the
+rest of the suite checks against the reference on every GPU.
 """
 
 from __future__ import annotations
@@ -95,18 +95,19 @@ def test_compiles_for_hopper():
 
 
 def test_applies_only_where_it_can():
-    """Off the GPU (and, on one, for float32, other head dims and short calls) the Triton forward runs."""
+    """Off the GPU, and on one for float32, other head dims, short calls and misaligned tensors, the
+    Triton kernels run."""
     x = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert not attention_hopper.applies(x, x, x, (128, 128))
+    assert not attention_hopper.applies(x, x, x)
     if IS_HOPPER:
         y = x.cuda()
-        assert attention_hopper.applies(y, y, y, (128, 128)) == attention_hopper.ENABLED
-        assert not attention_hopper.applies(y.float(), y.float(), y.float(), (128, 128))
+        assert attention_hopper.applies(y, y, y) == attention_hopper.ENABLED
+        assert not attention_hopper.applies(y.float(), y.float(), y.float())
         z = torch.zeros(1, 2, 256, 80, dtype=torch.bfloat16, device="cuda")
-        assert not attention_hopper.applies(z, z, z, (128, 128))
-        assert not attention_hopper.applies(y[:, :, :63], y, y, (128, 128))
-        assert not attention_hopper.applies(y, y, y, (128, 64))
-        assert not attention_hopper.applies(y[..., 1:65], y[..., 1:65], y[..., 1:65], (128, 128))  # misaligned
+        assert not attention_hopper.applies(z, z, z)
+        assert not attention_hopper.applies(y[:, :, :63], y, y)
+        w = torch.zeros(1, 2, 256, 136, dtype=torch.bfloat16, device="cuda")[..., 1:129]  # rows 2 bytes off
+        assert not attention_hopper.applies(y, w, y)
 
 
 def _case(name):
