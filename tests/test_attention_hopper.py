@@ -110,6 +110,16 @@ def test_applies_only_where_it_can():
         assert not attention_hopper.applies(y, w, y)
 
 
+def test_descriptor_layouts_are_each_blocks_default():
+    """The layouts ``_descriptor`` keeps per (block, dtype) are the ones Gluon would pick for each call."""
+    gl = attention_hopper.gl
+    x = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    for block in ([1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 64, 64]):
+        for dtype in (gl.bfloat16, gl.float16, gl.bfloat16):  # the second bfloat16 call reads the cache
+            layout = attention_hopper._descriptor(x, block, dtype).layout
+            assert layout == gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
 def _case(name):
     """(q, k, v, subtree_end, scale) of a named case, on the GPU."""
     rng = np.random.default_rng(7)
