@@ -24,7 +24,8 @@ autograd Function and the public ``tree_attention``.
   descriptors (``_tma_descriptors``).
 - On Hopper, for 16-bit inputs at head dims 64 and 128, the three kernels
   run as warp-specialised twins written in Gluon (``attention_hopper``):
-  the same blocks in the same order, bitwise the same results.
+  each key or query meets its blocks in the same order, so the results are
+  bitwise the same.
 - dK/dV programs start longest first (``TreeSchedule.key_block_order``),
   the heads of one key block side by side: the key blocks of a shared prompt
   walk every query, and launched in place they would start last for the

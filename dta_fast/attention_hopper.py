@@ -1,7 +1,9 @@
 """Tree attention's three kernels on Hopper (sm_90), warp-specialised, in Gluon.
 
 Twins of the Triton kernels in ``attention.py`` (the same blocks, taken in the same order, with the
-same arithmetic: bitwise the same outputs, LSE and gradients), written with Hopper's own tools, which
+same arithmetic: bitwise the same outputs, LSE and gradients; at head dim 64 dK/dV takes key blocks of
+128 where the Triton kernel takes 64, and each key still meets its query blocks in the same order, so
+its sums are the same), written with Hopper's own tools, which
 Triton's automatic pipelining does not reach for a tree's mix of full and partly visible blocks
 (docs/benchmarks.md, "The three kernels warp-specialised on Hopper"). Each kernel's program is split
 into partitions that meet at mbarriers in shared memory:
