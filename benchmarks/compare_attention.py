@@ -4,7 +4,8 @@
     python benchmarks/compare_attention.py before=/tmp/attention_rev.py now=dta_fast/attention.py [--out DIR]
 
 Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
-(its kernels compile separately). Per shape: forward alone and forward +
+(its kernels compile separately); NAME=PATH,HOPPER_PATH also gives it its own
+copy of ``dta_fast/attention_hopper.py`` (the Hopper kernels' A/B). Per shape: forward alone and forward +
 backward, ``triton.testing.do_bench`` medians and medians of CUDA-event
 timings of single calls after warm-up (bench_attention.py's two timings),
 bf16, H=32, D=128 (8 K/V heads on the agentic row; ``--heads``,
@@ -42,8 +43,15 @@ SHAPES = {
 }
 
 
-def load(name: str, path: str):
-    spec = importlib.util.spec_from_file_location(f"attention_{name}", path)
+def load(name: str, path: str, hopper_path: str = ""):
+    module = _load_file(f"attention_{name}", path)
+    if hopper_path:  # the copy calls its own Hopper kernels
+        module.attention_hopper = _load_file(f"attention_hopper_{name}", hopper_path)
+    return module
+
+
+def _load_file(module_name: str, path: str):
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -67,7 +75,8 @@ def time_version(module, schedule, q, k, v, do):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("versions", nargs="+", help="NAME=PATH of a copy of dta_fast/attention.py")
+    parser.add_argument("versions", nargs="+",
+                        help="NAME=PATH of a copy of dta_fast/attention.py, or NAME=PATH,HOPPER_PATH")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (8 on the agentic row)")
     parser.add_argument("--head-dim", type=int, default=128)
@@ -79,10 +88,11 @@ def main():
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     versions = {}
     for item in args.versions:
-        name, sep, path = item.partition("=")
-        if not sep or not Path(path).is_file():
-            parser.error(f"expected NAME=PATH of an existing file, got {item!r}")
-        versions[name] = load(name, path)
+        name, sep, paths = item.partition("=")
+        path, _, hopper_path = paths.partition(",")
+        if not sep or not all(Path(p).is_file() for p in filter(None, (path, hopper_path))) or not path:
+            parser.error(f"expected NAME=PATH or NAME=PATH,HOPPER_PATH of existing files, got {item!r}")
+        versions[name] = load(name, path, hopper_path)
 
     rows = []
     print("ms: do_bench median / CUDA-event median, each the mean over rounds")

@@ -123,7 +123,8 @@ def main():
             k, v = (torch.randn(1, Hkv, Tk, D, device="cuda", dtype=dtype) for _ in range(2))
             schedule = build_schedule(call.key_end.cuda(), Tq)
             o, lse, _ = ta._forward(q, k, v, schedule, D**-0.5)
-            runs.append((call, q, k, v, do, schedule, lse, ta._backward_preprocess(o, do, q, lse)[0]))
+            delta, lse_bwd = ta._backward_preprocess(o, do, q, lse)[:2]  # the rows the backward kernels read
+            runs.append((call, q, k, v, do, schedule, lse_bwd, delta))
         pairs = {kernel: sum(visible_pairs(r[0]) * (r[0].forwards if kernel == "fwd" else 1) for r in runs)
                  for kernel in FLOP_MATMULS}
         scale = D**-0.5

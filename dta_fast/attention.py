@@ -546,7 +546,7 @@ def tree_attention_bwd_preprocess_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_qb, stride_qh, stride_qt,
     stride_fb, stride_fh, stride_ft,
-    Hq, Tq,
+    Hq, Tq, stride_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """delta[i] = rowsum(dO[i] * O[i]) in float32, the softmax-backward correction. Isolation: dO with
@@ -566,9 +566,9 @@ def tree_attention_bwd_preprocess_kernel(
                  mask=mask, other=0.0)  # [BLOCK_T, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row_nan = _row_nan(do) + delta * 0.0  # NaN on the rows whose dO or delta is not finite
-    tl.store(DELTA + pid_bh * Tq + offs_t, tl.where(row_nan == 0.0, delta, 0.0), mask=mask_t)
+    tl.store(DELTA + pid_bh * stride_rows + offs_t, tl.where(row_nan == 0.0, delta, 0.0), mask=mask_t)
     lse = tl.load(LSE + pid_bh * Tq + offs_t, mask=mask_t, other=0.0)
-    tl.store(LSE_BWD + pid_bh * Tq + offs_t, lse + row_nan, mask=mask_t)
+    tl.store(LSE_BWD + pid_bh * stride_rows + offs_t, lse + row_nan, mask=mask_t)
     tl.store(DO_FINITE + b * stride_fb + h * stride_fh + offs_t[:, None] * stride_ft + offs_d[None, :],
              tl.where((row_nan == 0.0)[:, None], do, 0.0), mask=mask)
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :], mask=mask, other=0.0)
@@ -617,7 +617,7 @@ def tree_attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    stride_eb, heads_per_row,
+    stride_eb, heads_per_row, stride_rows,
     Hq, Hkv, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -664,7 +664,7 @@ def tree_attention_bwd_dkdv_kernel(
         h = hk * GROUP + g
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
-        row_base = (b * Hq + h) * Tq
+        row_base = (b * Hq + h) * stride_rows
         dk, dv = _dkdv_query_blocks(dk, dv, k, v, Qh, DOh, LSE, DELTA, row_base, m_lo, m_full_lo, offs_n, end_n,
                                     q_offset, offs_d, mask_d, qk_scale, stride_qt, stride_dot, Tq,
                                     BLOCK_M, True, EVEN_D, DOT_PRECISION)  # fmt: skip
@@ -734,7 +734,7 @@ def tree_attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     stride_dqb, stride_dqh, stride_dqt,
-    stride_eb, stride_kv_b, NK,
+    stride_eb, stride_kv_b, NK, stride_rows,
     Hq, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -755,8 +755,8 @@ def tree_attention_bwd_dq_kernel(
                 mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=mask_md, other=0.0)
-    lse = tl.load(LSE + pid_bh * Tq + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + pid_bh * Tq + offs_m, mask=mask_m, other=0.0)
+    lse = tl.load(LSE + pid_bh * stride_rows + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + pid_bh * stride_rows + offs_m, mask=mask_m, other=0.0)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     END += b * stride_eb
@@ -954,17 +954,23 @@ def _backward(do, q, k, v, o, lse, schedule, sm_scale):
 
 def _backward_preprocess(o, do, q, lse):
     B, Hq, Tq, D = o.shape
-    delta = torch.empty(B, Hq, Tq, device=o.device, dtype=torch.float32)
-    lse_bwd = torch.empty_like(delta)
+    # delta and the LSE in rows of a multiple of 4 floats, 16 bytes, so TMA can read them (Hopper dK/dV)
+    delta, lse_bwd = torch.empty(2, B, Hq, -(-Tq // 4) * 4, device=o.device, dtype=torch.float32)[..., :Tq]
     do_finite = torch.empty_like(do)
     q_finite = torch.empty(B, Hq, Tq, D, device=q.device, dtype=q.dtype)
     BLOCK_T = 16 if INTERPRET else 128
     tree_attention_bwd_preprocess_kernel[(_cdiv(Tq, BLOCK_T), B * Hq)](
         o, do, q, lse, delta, lse_bwd, do_finite, q_finite,
-        *_strides(o), *_strides(do), *_strides(q), *_strides(do_finite), Hq, Tq,
+        *_strides(o), *_strides(do), *_strides(q), *_strides(do_finite), Hq, Tq, delta.stride(1),
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
     )  # fmt: skip
     return delta, lse_bwd, do_finite, q_finite
+
+
+def _stride_rows(lse, delta):
+    """The one stride of the backward's LSE and delta rows, [B, Hq, Tq] (``_backward_preprocess``)."""
+    assert lse.stride() == delta.stride() and lse.stride(0) == lse.shape[1] * lse.stride(1), "lse and delta rows"
+    return delta.stride(1)
 
 
 def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
@@ -984,7 +990,7 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
         q, k, v, do, lse, delta, dk, dv, end, order,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        _batch_strides(end, 0)[0], heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
+        _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), Hq, Hkv, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
     _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row,), args, D, BM, BN, _size_class(Tq),
                   q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
@@ -1007,7 +1013,7 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
         q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run,
         sm_scale * LOG2E, sm_scale,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, _stride_rows(lse, delta), Hq, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
     _launch_tuned(tree_attention_bwd_dq_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, _size_class(Tq), q.dtype,
                   BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip

@@ -45,8 +45,6 @@ try:
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared, later releases async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # and its gl.thread_barrier gl.barrier (inside a warp-specialised partition: that partition's barrier)
-    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     HAVE_GLUON = True
 except ImportError:  # a Triton without Gluon: the Triton kernels everywhere
     HAVE_GLUON = False
@@ -103,7 +101,8 @@ _LAYOUTS: dict = {}  # (block, dtype) -> its shared-memory layout: 7 of a descri
 def _descriptor(x, block, dtype):
     key = (tuple(block), dtype)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        _LAYOUTS[key] = (gl.NVMMASharedLayout.get_default_for(block, dtype) if len(block) == 4 else  # tiles
+                         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block)))  # rows
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, _LAYOUTS[key])
 
 
@@ -308,8 +307,10 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scal
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     block = [1, 1, DKDV_BLOCK_M, D]
     descs = [_descriptor(x, block, dtype) for x in (q, k, v, do)]
+    # the rows' LSE and delta come through TMA too ([B, Hq, Tq] rows of 16-byte multiples), plain layout
+    rows = [_descriptor(x, [1, 1, DKDV_BLOCK_M], gl.float32) for x in (lse, delta)]
     tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row,)](
-        *descs, lse, delta, dk, dv, end, order, qk_scale, sm_scale,
+        *descs, *rows, dk, dv, end, order, qk_scale, sm_scale,
         *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
         STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
     )  # fmt: skip
@@ -318,14 +319,14 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scal
 if HAVE_GLUON:
 
     @gluon.jit
-    def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
-                     delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq,
-                     m_lo, m_full_lo, m_full_hi, m_hi):  # fmt: skip
-        """The loader warp: K and V of the key block (two halves each), then Q and dO of every query block
-        the compute warpgroups walk, in their order."""
+    def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_bufs, v_bufs, q_bufs, do_bufs,
+                     lse_bufs, delta_bufs, kv_bar, ready, empty, b, hk, n0, GROUP, m_lo, m_hi):  # fmt: skip
+        """The loader warp: K and V of the key block (two halves each), then Q, dO, LSE and delta of every
+        query block the compute warpgroups walk, in their order."""
         STAGES_: gl.constexpr = q_bufs.shape[0]
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
-        rows_layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+        tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                    + delta_desc.block_type.nbytes)  # fmt: skip
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
         for half in gl.static_range(2):
             _tma_load(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, k_bufs.index(half))
@@ -336,17 +337,11 @@ if HAVE_GLUON:
             for m in range(m_lo, m_hi):  # the three ranges of the compute partitions, back to back
                 s = i % STAGES_
                 mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)
-                # the rows' LSE and delta by plain loads, stored before the arrive that expect makes, which
-                # releases them to the compute warpgroups (they wait on this stage's tiles anyway). That
-                # arrive is one lane's: the warp's barrier first orders every lane's stores before it
-                offs = m * ROWS + gl.arange(0, ROWS, layout=rows_layout)
-                base = (b * Hq + h).to(gl.int64) * Tq
-                lse_bufs.index(s).store(gl.load(LSE + base + offs, mask=offs < Tq, other=0.0))
-                delta_bufs.index(s).store(gl.load(DELTA + base + offs, mask=offs < Tq, other=0.0))
-                _barrier()
-                mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                mbarrier.expect(ready.index(s), tile_bytes)
                 _tma_load(q_desc, [b, h, m * ROWS, 0], ready.index(s), q_bufs.index(s))
                 _tma_load(do_desc, [b, h, m * ROWS, 0], ready.index(s), do_bufs.index(s))
+                _tma_load(lse_desc, [b, h, m * ROWS], ready.index(s), lse_bufs.index(s))  # past Tq: zeros
+                _tma_load(delta_desc, [b, h, m * ROWS], ready.index(s), delta_bufs.index(s))
                 i += 1
 
     @gluon.jit
@@ -359,8 +354,8 @@ if HAVE_GLUON:
         offs_m = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
         s_idx = i % STAGES_
         mbarrier.wait(ready.index(s_idx), (i // STAGES_) & 1)
-        lse = lse_bufs.index(s_idx).load(gl.SliceLayout(0, s_layout)) * 1.4426950408889634
-        delta = delta_bufs.index(s_idx).load(gl.SliceLayout(0, s_layout))
+        lse = lse_bufs.index(s_idx).reshape([ROWS]).load(gl.SliceLayout(0, s_layout)) * 1.4426950408889634
+        delta = delta_bufs.index(s_idx).reshape([ROWS]).load(gl.SliceLayout(0, s_layout))
         q = q_bufs.index(s_idx).reshape([ROWS, HEAD_DIM])
         do = do_bufs.index(s_idx).reshape([ROWS, HEAD_DIM])
         s_t = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout),
@@ -424,7 +419,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def tree_attention_bwd_dkdv_hopper_kernel(
-        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, END, ORDER,
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, END, ORDER,
         qk_scale, sm_scale,
         stride_dkb, stride_dkh, stride_dkt,
         stride_dvb, stride_dvh, stride_dvt,
@@ -459,18 +454,16 @@ if HAVE_GLUON:
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs, do_bufs, ready, empty = _ring(q_desc, do_desc, STAGES, 2)  # both compute warpgroups read every tile
-        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of one stage
-        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], rows_layout)
-        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], rows_layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
 
         compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
                         sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
                         stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
-        loader_args = (q_desc, k_desc, v_desc, do_desc, LSE, DELTA, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
-                       delta_bufs, kv_bar, ready, empty, b, hk, n0, Hq, GROUP, Tq,
-                       m_lo, m_full_lo, m_full_hi, m_hi)  # fmt: skip
+        loader_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_bufs, v_bufs, q_bufs, do_bufs,
+                       lse_bufs, delta_bufs, kv_bar, ready, empty, b, hk, n0, GROUP, m_lo, m_hi)  # fmt: skip
         first, second = compute_args + (gl.to_tensor(0),), compute_args + (gl.to_tensor(1),)
         gl.warp_specialize([(_dkdv_compute, first), (_dkdv_compute, second), (_dkdv_loader, loader_args)], [4, 1],
                            [240, 24])  # fmt: skip
@@ -496,7 +489,7 @@ def backward_dq(q, k, v, do, lse, delta, dq, end, lists, qk_scale, sm_scale, bat
     # split 232 / 24
     tree_attention_bwd_dq_hopper_kernel[(num_m_blocks, B * Hq)](
         *descs, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run, qk_scale, sm_scale,
-        *dq.stride()[:3], *batch_strides, lists.num_key_blocks, Hq, Hq // Hkv, Tq, Tk,
+        *dq.stride()[:3], *batch_strides, lists.num_key_blocks, delta.stride(1), Hq, Hq // Hkv, Tq, Tk,
         STAGES=DQ_STAGES, num_warps=4, maxnreg=128,
     )  # fmt: skip
 
@@ -580,7 +573,7 @@ if HAVE_GLUON:
     def tree_attention_bwd_dq_hopper_kernel(
         q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, END, KV_COUNT, KV_FULL, KV_IDX, KV_RUN,
         qk_scale, sm_scale,
-        stride_dqb, stride_dqh, stride_dqt, stride_eb, stride_kv_b, NK,
+        stride_dqb, stride_dqh, stride_dqt, stride_eb, stride_kv_b, NK, stride_rows,
         Hq, GROUP, Tq, Tk,
         STAGES: gl.constexpr,
     ):  # fmt: skip
@@ -588,7 +581,7 @@ if HAVE_GLUON:
         pid_m, pid_bh, b, h, hk, start, mid, stop = _query_block_row(KV_FULL, KV_COUNT, stride_kv_b, NK, Hq, GROUP)
         m0 = pid_m * ROWS
         dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
-        lse_base = pid_bh.to(gl.int64) * Tq
+        lse_base = pid_bh.to(gl.int64) * stride_rows
         END += b.to(gl.int64) * stride_eb
 
         q_buf = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)

@@ -47,6 +47,8 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
     def desc(rows):
         return H._descriptor(x, [1, 1, rows, head_dim], gl_dtype)
 
+    rows = H._descriptor(torch.empty(2, 4, 1000), [1, 1, H.DKDV_BLOCK_M], gl.float32)  # the backward's LSE, delta
+
     scalars = dict(Hq=4, GROUP=1, Tq=1000, Tk=1000, qk_scale=0.1, stride_eb=0)
     lists = dict(KV_COUNT=ints, KV_FULL=ints, KV_IDX=ints, KV_RUN=ints, stride_kv_b=0, NK=8)
     if kernel_name == "forward":
@@ -57,14 +59,14 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
     elif kernel_name == "dkdv":
         kernel, stages, maxnreg = H.tree_attention_bwd_dkdv_hopper_kernel, H.DKDV_STAGES, 168
         args = dict(q_desc=desc(H.DKDV_BLOCK_M), k_desc=desc(H.DKDV_BLOCK_N // 2), v_desc=desc(H.DKDV_BLOCK_N // 2),
-                    do_desc=desc(H.DKDV_BLOCK_M), LSE=floats, DELTA=floats, DK=x, DV=x, END=ints, ORDER=ints,
+                    do_desc=desc(H.DKDV_BLOCK_M), lse_desc=rows, delta_desc=rows, DK=x, DV=x, END=ints, ORDER=ints,
                     sm_scale=0.1, heads_per_row=4, Hkv=4, **scalars, **{f"stride_dk{d}": v for d, v in strides.items()},
                     **{f"stride_dv{d}": v for d, v in strides.items()})  # fmt: skip
     else:
         kernel, stages, maxnreg = H.tree_attention_bwd_dq_hopper_kernel, H.DQ_STAGES, 128
         args = dict(q_desc=desc(H.DQ_BLOCK_M), do_desc=desc(H.DQ_BLOCK_M), k_desc=desc(H.DQ_BLOCK_N),
-                    v_desc=desc(H.DQ_BLOCK_N), LSE=floats, DELTA=floats, DQ=x, END=ints, sm_scale=0.1, **lists,
-                    **scalars, **{f"stride_dq{d}": v for d, v in strides.items()})  # fmt: skip
+                    v_desc=desc(H.DQ_BLOCK_N), LSE=floats, DELTA=floats, DQ=x, END=ints, sm_scale=0.1, stride_rows=1000,
+                    **lists, **scalars, **{f"stride_dq{d}": v for d, v in strides.items()})  # fmt: skip
     names = inspect.signature(kernel.fn).parameters
     signature = {n: "constexpr" if n == "STAGES" else mangle_type(args[n]) for n in names}
     source = GluonASTSource(kernel, signature, constexprs={"STAGES": stages})
