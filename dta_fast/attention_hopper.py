@@ -311,7 +311,7 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scal
     rows = [_descriptor(x, [1, 1, DKDV_BLOCK_M], gl.float32) for x in (lse, delta)]
     tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row,)](
         *descs, *rows, dk, dv, end, order, qk_scale, sm_scale,
-        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, Hq, Hkv, Hq // Hkv, Tq, Tk,
+        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, Hkv, Hq // Hkv, Tq, Tk,
         STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
     )  # fmt: skip
 
@@ -378,7 +378,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_compute(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                      sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                      sm_scale, qk_scale, b, hk, n0, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
                       stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, HALF):  # fmt: skip
         """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the query heads of
         the GQA group and their live query blocks (masked head, full middle, masked tail), then stored."""
@@ -424,7 +424,7 @@ if HAVE_GLUON:
         stride_dkb, stride_dkh, stride_dkt,
         stride_dvb, stride_dvh, stride_dvt,
         stride_eb, heads_per_row,
-        Hq, Hkv, GROUP, Tq, Tk,
+        Hkv, GROUP, Tq, Tk,
         STAGES: gl.constexpr,
     ):  # fmt: skip
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -460,7 +460,7 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
 
         compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                        sm_scale, qk_scale, b, hk, n0, Hq, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                        sm_scale, qk_scale, b, hk, n0, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
                         stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
         loader_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                        lse_bufs, delta_bufs, kv_bar, ready, empty, b, hk, n0, GROUP, m_lo, m_hi)  # fmt: skip
