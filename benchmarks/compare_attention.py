@@ -5,10 +5,10 @@
 
 Each NAME=PATH is a copy of ``dta_fast/attention.py`` loaded as its own module
 (its kernels compile separately); NAME=PATH,HOPPER_PATH also gives it its own
-copy of ``dta_fast/attention_hopper.py`` (the Hopper kernels' A/B). Per shape: forward alone and forward +
-backward, ``triton.testing.do_bench`` medians and medians of CUDA-event
-timings of single calls after warm-up (bench_attention.py's two timings),
-bf16, H=32, D=128 (8 K/V heads on the agentic row; ``--heads``,
+copy of ``dta_fast/attention_hopper.py`` (the Hopper kernels' A/B). Per shape:
+forward alone and forward + backward, ``triton.testing.do_bench`` medians and
+medians of CUDA-event timings of single calls after warm-up (bench_attention.py's
+two timings), bf16, H=32, D=128 (8 K/V heads on the agentic row; ``--heads``,
 ``--kv-heads``, ``--head-dim`` for another shape), the schedule built once
 outside the timing; and the largest difference of each version's output and
 gradients from the first version's. The versions are timed in ``--rounds``
