@@ -3,7 +3,9 @@
 A loader warp hands one TMA tile to a compute warpgroup through an mbarrier; the kernel touches no shared
 memory but that tile and the barrier. racecheck reports hazards on it all the same, at the lines of the
 kernel's definition and of gl.warp_specialize: Triton's lowering of warp specialisation, which
-dta_fast/attention_hopper.py's kernels show at the same lines.
+dta_fast/attention_hopper.py's kernels show at the same lines. The lowering's hand-off is ordered by
+CTA-wide barriers; racecheck misreads it because the default warps also meet at a counted barrier
+(.ci/racecheck_counted_barrier.cu shows that alone in CUDA).
 """
 
 import os
