@@ -15,6 +15,7 @@ pytestmark = pytest.mark.kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import attention_timeline  # noqa: E402
 import bench_schedule  # noqa: E402
 import compare_attention  # noqa: E402
 
@@ -45,3 +46,25 @@ def test_compare_attention_loads_an_independent_copy():
     q, k, v = (torch.randn(1, 2, end.numel(), 16, generator=g).to(DEVICE) for _ in range(3))
     expected = dta_fast.tree_attention(q, k, v, schedule=dta_fast.build_schedule(end))
     assert torch.equal(copy.tree_attention(q, k, v, schedule=copy.build_schedule(end)), expected)
+
+
+def test_attention_timeline_counts_each_kernels_products():
+    """attention_timeline.py's useful TFLOP/s: 2, 4 and 3 products per visible pair for the forward,
+    dK/dV and dQ kernels by their names (the Triton and the Hopper twins), none for the passes around
+    them."""
+    from dta_fast import attention, attention_hopper
+
+    def name(kernel):
+        while hasattr(kernel, "fn"):  # an autotuner wraps a JIT function, which wraps the Python one
+            kernel = kernel.fn
+        return kernel.__name__
+
+    kernels = {attention.tree_attention_fwd_kernel: 2, attention.tree_attention_bwd_dkdv_kernel: 4,
+               attention.tree_attention_bwd_dq_kernel: 3, attention.tree_attention_bwd_preprocess_kernel: None,
+               attention.finite_rows_kernel: None, attention.queries_seeing_kernel: None}  # fmt: skip
+    if attention_hopper.HAVE_GLUON:
+        kernels.update({attention_hopper.tree_attention_fwd_hopper_kernel: 2,
+                        attention_hopper.tree_attention_bwd_dkdv_hopper_kernel: 4,
+                        attention_hopper.tree_attention_bwd_dq_hopper_kernel: 3})  # fmt: skip
+    for kernel, products in kernels.items():
+        assert attention_timeline._products(name(kernel)) == products, name(kernel)
