@@ -114,10 +114,17 @@ def _validate_once(subtree_end: torch.Tensor) -> None:
     """Check a subtree_end tensor once until it is written in place (its version counter moves): the
     layers of a model pass one tensor to every call, and each check is a host sync."""
     rows = subtree_end if subtree_end.dim() == 2 else subtree_end[None]
-    if subtree_end.is_inference():  # no version counter
-        return validate_subtree_end(rows)
-    if getattr(subtree_end, "_dta_checked_version", None) != subtree_end._version:
-        validate_subtree_end(rows)
+    if not subtree_end.is_inference() and getattr(subtree_end, "_dta_checked_version", None) == subtree_end._version:
+        return
+    if subtree_end.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the check reads the tree on the host, which would end the capture with an unnamed CUDA error
+        raise ValueError(
+            "subtree_end is checked on the host, which a CUDA graph capture does not allow: check it before "
+            "capturing (build_schedule(subtree_end), or one tree_attention call with it) and capture with "
+            "that schedule or tensor, or pass build_schedule(..., validate=False) for a tree known valid"
+        )
+    validate_subtree_end(rows)
+    if not subtree_end.is_inference():  # an inference tensor has no version counter: checked every time
         subtree_end._dta_checked_version = subtree_end._version
 
 

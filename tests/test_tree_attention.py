@@ -367,6 +367,74 @@ def test_autotune_bucket_by_query_count():
     assert [_size_class(n) for n in (1, 63, 64, 1023, 1024, 16383, 16384, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+def _capture(fn):
+    """fn() captured in a CUDA graph after two calls on a side stream, which leave compiling, autotuning
+    and autograd's first-call work outside the graph (the warm-up PyTorch's CUDA graph docs prescribe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32)])
+def test_gpu_cuda_graph_replays_forward_and_backward(D, dtype):
+    """A forward + backward captured in a CUDA graph (what takes a small call's host cost away) and
+    replayed on new values copied into its static inputs: the output and every gradient are bitwise an
+    eager call's on those values. On an H100 16-bit runs the Hopper kernels, float32 the Triton ones."""
+    end = PrefixTree.from_sequences(grpo_batch(1, 300, 4, 100)).subtree_end.cuda()
+    T = end.numel()
+    schedule = build_schedule(end)
+    q, k, v = (x.requires_grad_(True) for x in make_qkv(1, 4, 2, T, T, D, dtype))
+    do = torch.zeros_like(q)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        out = tree_attention(q, k, v, schedule=schedule)
+        out.backward(do)
+        return out.detach()
+
+    graph, out = _capture(step)
+    new = make_qkv(1, 4, 2, T, T, D, dtype, seed=5) + (torch.randn(q.shape, device="cuda", dtype=dtype),)
+    with torch.no_grad():
+        for static, value in zip((q, k, v, do), new):
+            static.copy_(value)
+    graph.replay()
+    leaves = [x.clone().requires_grad_(True) for x in new[:3]]
+    want = tree_attention(*leaves, schedule=schedule)
+    want.backward(new[3])
+    for got, expected in zip([out, q.grad, k.grad, v.grad], [want.detach()] + [x.grad for x in leaves]):
+        assert torch.equal(got, expected)
+    assert torch.isfinite(out).all() and out.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the refused capture records nothing
+def test_gpu_cuda_graph_checks_a_tree_before_the_capture():
+    """subtree_end checked before the capture (by an eager call) may be passed inside it, the schedule
+    then built in the graph; an unchecked one is a ValueError saying so, not CUDA's unnamed capture error
+    (the check reads the tree on the host)."""
+    end = PrefixTree.from_sequences(grpo_batch(1, 200, 3, 50)).subtree_end.cuda()
+    T = end.numel()
+    q, k, v = make_qkv(1, 2, 2, T, T, 64, torch.bfloat16)
+    want = tree_attention(q, k, v, end)  # checks end; compiles
+    graph, out = _capture(lambda: tree_attention(q, k, v, end))
+    graph.replay()
+    assert torch.equal(out, want)
+    unchecked = end.clone()
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            tree_attention(q, k, v, unchecked)
+    assert torch.equal(tree_attention(q, k, v, unchecked), want)  # outside a capture it is checked and runs
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_gpu_prebuilt_schedule_path_never_syncs():
