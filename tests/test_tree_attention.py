@@ -367,52 +367,30 @@ def test_autotune_bucket_by_query_count():
     assert [_size_class(n) for n in (1, 63, 64, 1023, 1024, 16383, 16384, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
-def _capture(fn):
-    """fn() captured in a CUDA graph after two calls on a side stream, which leave compiling, autotuning
-    and autograd's first-call work outside the graph (the warm-up PyTorch's CUDA graph docs prescribe)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("D, dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32)])
 def test_gpu_cuda_graph_replays_forward_and_backward(D, dtype):
-    """A forward + backward captured in a CUDA graph (what takes a small call's host cost away) and
-    replayed on new values copied into its static inputs: the output and every gradient are bitwise an
-    eager call's on those values. On an H100 16-bit runs the Hopper kernels, float32 the Triton ones."""
+    """tree_attention as torch.cuda.make_graphed_callables graphs it (forward and backward each captured
+    after its warm-up, what takes a small call's host cost away), called on new inputs: the output and
+    every gradient are bitwise an eager call's. On an H100 16-bit runs the Hopper kernels, float32 the
+    Triton ones. (bench_cuda_graphs.py captures a whole forward + backward in one graph instead.)"""
     end = PrefixTree.from_sequences(grpo_batch(1, 300, 4, 100)).subtree_end.cuda()
     T = end.numel()
     schedule = build_schedule(end)
-    q, k, v = (x.requires_grad_(True) for x in make_qkv(1, 4, 2, T, T, D, dtype))
-    do = torch.zeros_like(q)
-
-    def step():
-        for x in (q, k, v):
-            x.grad = None
-        out = tree_attention(q, k, v, schedule=schedule)
+    sample = [x.requires_grad_(True) for x in make_qkv(1, 4, 2, T, T, D, dtype)]
+    graphed = torch.cuda.make_graphed_callables(lambda q, k, v: tree_attention(q, k, v, schedule=schedule),
+                                                tuple(sample))  # fmt: skip
+    values = make_qkv(1, 4, 2, T, T, D, dtype, seed=5)
+    do = torch.randn(values[0].shape, device="cuda", dtype=dtype)
+    results = []
+    for fn in (graphed, lambda q, k, v: tree_attention(q, k, v, schedule=schedule)):
+        leaves = [x.clone().requires_grad_(True) for x in values]
+        out = fn(*leaves)
         out.backward(do)
-        return out.detach()
-
-    graph, out = _capture(step)
-    new = make_qkv(1, 4, 2, T, T, D, dtype, seed=5) + (torch.randn(q.shape, device="cuda", dtype=dtype),)
-    with torch.no_grad():
-        for static, value in zip((q, k, v, do), new):
-            static.copy_(value)
-    graph.replay()
-    leaves = [x.clone().requires_grad_(True) for x in new[:3]]
-    want = tree_attention(*leaves, schedule=schedule)
-    want.backward(new[3])
-    for got, expected in zip([out, q.grad, k.grad, v.grad], [want.detach()] + [x.grad for x in leaves]):
-        assert torch.equal(got, expected)
-    assert torch.isfinite(out).all() and out.abs().sum() > 0
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    assert torch.isfinite(results[0][0]).all() and results[0][0].abs().sum() > 0
 
 
 @pytest.mark.gpu
@@ -424,8 +402,10 @@ def test_gpu_cuda_graph_checks_a_tree_before_the_capture():
     end = PrefixTree.from_sequences(grpo_batch(1, 200, 3, 50)).subtree_end.cuda()
     T = end.numel()
     q, k, v = make_qkv(1, 2, 2, T, T, 64, torch.bfloat16)
-    want = tree_attention(q, k, v, end)  # checks end; compiles
-    graph, out = _capture(lambda: tree_attention(q, k, v, end))
+    want = tree_attention(q, k, v, end)  # checks end, compiles: the warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention(q, k, v, end)
     graph.replay()
     assert torch.equal(out, want)
     unchecked = end.clone()
