@@ -68,3 +68,21 @@ def test_attention_timeline_counts_each_kernels_products():
                         attention_hopper.tree_attention_bwd_dq_hopper_kernel: 3})  # fmt: skip
     for kernel, products in kernels.items():
         assert attention_timeline._products(name(kernel)) == products, name(kernel)
+
+
+def test_dq_reductions_walk_the_live_query_tiles():
+    """bench_dq_reductions.py's tiles per key block are those with a visible (query, key) pair: what
+    the dK/dV pass walks, so the timed additions are the ones a fused backward would make."""
+    import bench_dq_reductions as bench
+
+    end = PrefixTree.from_sequences(grpo_batch(1, 300, 3, 170)).subtree_end.reshape(-1).long()
+    T = end.numel()
+    pos = torch.arange(T)
+    visible = (pos[None, :] <= pos[:, None]) & (pos[:, None] < end[None, :])  # [query, key]
+    m_lo, m_hi, order = bench.live_tiles(end)
+    for n in range(m_lo.numel()):
+        keys = visible[:, n * bench.KEYS:(n + 1) * bench.KEYS].any(1)
+        tiles = {int(i) // bench.ROWS for i in keys.nonzero()}
+        assert tiles == set(range(int(m_lo[n]), int(m_hi[n]))), n
+    assert sorted(order.tolist()) == list(range(m_lo.numel()))
+    assert (m_hi - m_lo)[order].diff().le(0).all()  # longest first
