@@ -624,14 +624,17 @@ def tree_attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    stride_eb, heads_per_row, stride_rows,
+    stride_eb, heads_per_row, stride_rows, SPLITS, stride_split,
     Hq, Hkv, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Programs run longest key block first: ORDER lists (schedule batch, key block) rows, and a
-    # row's heads_per_row (batch, K/V head) pairs run side by side (a shared schedule has one batch row).
+    # row's heads_per_row (batch, K/V head) pairs run side by side (a shared schedule has one batch row),
+    # each as SPLITS programs that take a share of the GQA group's query heads (_dkdv_splits).
     pid = tl.program_id(0)
+    split = pid % SPLITS
+    pid = pid // SPLITS
     row = tl.load(ORDER + pid // heads_per_row)
     rest = pid % heads_per_row
     num_n_blocks = tl.cdiv(Tk, BLOCK_N)
@@ -667,7 +670,7 @@ def tree_attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    for g in range(GROUP):
+    for g in range(split * GROUP // SPLITS, (split + 1) * GROUP // SPLITS):
         h = hk * GROUP + g
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
@@ -682,6 +685,9 @@ def tree_attention_bwd_dkdv_kernel(
                                     q_offset, offs_d, mask_d, qk_scale, stride_qt, stride_dot, Tq,
                                     BLOCK_M, True, EVEN_D, DOT_PRECISION)  # fmt: skip
 
+    # with SPLITS > 1, DK and DV are float32 partials, one per split (stride_split apart)
+    DK += split * stride_split
+    DV += split * stride_split
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
@@ -987,21 +993,98 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     end = schedule.subtree_end
     heads_per_row = B // end.shape[0] * Hkv
     dk, dv = torch.empty_like(k), torch.empty_like(v)
+    splits = _dkdv_splits(B, Hkv, Tk, D, Hq // Hkv, q.device)
+    if splits == 1:
+        out_k, out_v, stride_split = dk, dv, 0
+    else:  # float32 partials of each split, summed below in split order
+        partials = torch.empty(2, splits, B, Hkv, Tk, D, device=q.device, dtype=torch.float32)
+        out_k, out_v, stride_split = partials[0, 0], partials[1, 0], partials.stride(1)
     if attention_hopper.applies(q, k, v, do):
         order = schedule.key_block_order(attention_hopper.DKDV_BLOCK_M, attention_hopper.DKDV_BLOCK_N)
-        attention_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, sm_scale * LOG2E, sm_scale,
-                                       _batch_strides(end, 0)[0], heads_per_row)  # fmt: skip
-        return dk, dv
-    order = schedule.key_block_order(BM, BN)
-    args = (
-        q, k, v, do, lse, delta, dk, dv, end, order,
-        sm_scale * LOG2E, sm_scale,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), Hq, Hkv, Hq // Hkv, Tq, Tk,
-    )  # fmt: skip
-    _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row,), args, D, BM, BN, _size_class(Tq),
-                  q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
+        attention_hopper.backward_dkdv(q, k, v, do, lse, delta, out_k, out_v, end, order, sm_scale * LOG2E, sm_scale,
+                                       _batch_strides(end, 0)[0], heads_per_row, splits, stride_split)  # fmt: skip
+    else:
+        order = schedule.key_block_order(BM, BN)
+        args = (
+            q, k, v, do, lse, delta, out_k, out_v, end, order,
+            sm_scale * LOG2E, sm_scale,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(out_k), *_strides(out_v),
+            _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), splits, stride_split,
+            Hq, Hkv, Hq // Hkv, Tq, Tk,
+        )  # fmt: skip
+        _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row * splits,), args, D, BM, BN,
+                      _size_class(Tq), q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
+    if splits > 1:
+        _sum_dkdv_partials(partials, dk, dv)
     return dk, dv
+
+
+@triton.jit
+def dkdv_partials_sum_kernel(
+    PARTIALS, DK, DV, SPLITS, stride_kv, stride_split, stride_pb, stride_ph,
+    stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+    H, T,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """DK and DV [B, H, T, D] = the sums of their float32 partials [2, SPLITS, B, H, T, D] over the
+    splits, added in split order (deterministic), in DK's dtype: one pass for both."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // H, pid_bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_t < T)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = PARTIALS + b * stride_pb + h * stride_ph + offs_t[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    dk = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for s in range(SPLITS):
+        dk += tl.load(rows + s * stride_split, mask=mask, other=0.0)
+        dv += tl.load(rows + stride_kv + s * stride_split, mask=mask, other=0.0)
+    tl.store(DK + b * stride_dkb + h * stride_dkh + offs_t[:, None] * stride_dkt + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(DV + b * stride_dvb + h * stride_dvh + offs_t[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+def _sum_dkdv_partials(partials, dk, dv):
+    """dk, dv [B, Hkv, Tk, D] from the float32 partials [2, splits, B, Hkv, Tk, D] of a split dK/dV."""
+    _, splits, B, H, T, D = partials.shape
+    BLOCK_T = 16 if INTERPRET else 64
+    dkdv_partials_sum_kernel[(_cdiv(T, BLOCK_T), B * H)](
+        partials, dk, dv, splits, partials.stride(0), partials.stride(1), partials.stride(2), partials.stride(3),
+        *_strides(dk), *_strides(dv), H, T, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
+    )  # fmt: skip
+
+
+# dK/dV runs a program per (key block, K/V head): with few K/V heads and a short call these are too few
+# to fill the GPU, and the key blocks every query sees (a tree's prompt) take GROUP times as long as a
+# query head's share. Such calls split each GQA group's query heads over SPLITS programs whose float32
+# partials are summed after, in split order: deterministic, and the same split for both kernels (counted
+# in key blocks of 128 whatever the kernel's own), so the Triton and Hopper kernels stay bitwise twins.
+DKDV_SPLIT_PROGRAMS_PER_SM = 4  # programs wanted per SM before a split pays
+DKDV_SPLIT_WORKSPACE_BYTES = 64 << 20  # at most this much float32 partials (the planners' headroom covers it)
+
+
+def _dkdv_splits(B: int, Hkv: int, Tk: int, D: int, group: int, device: torch.device) -> int:
+    """How many programs share a (key block, K/V head)'s query heads: 1 when its programs fill the GPU."""
+    programs = B * Hkv * _cdiv(Tk, 128)
+    wanted = DKDV_SPLIT_PROGRAMS_PER_SM * _sm_count(device)
+    if group == 1 or programs >= wanted:
+        return 1
+    affordable = DKDV_SPLIT_WORKSPACE_BYTES // (2 * B * Hkv * Tk * D * 4)
+    return max(1, min(group, _cdiv(wanted, programs), affordable))
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs; 4 under the interpreter, so that the CPU suite's small trees split too."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
 
 
 def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):

@@ -298,9 +298,11 @@ DKDV_BLOCK_M, DKDV_BLOCK_N = 64, 128  # queries per step; keys per program (two 
 DKDV_STAGES = 3
 
 
-def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scale, stride_eb, heads_per_row):
+def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scale, stride_eb, heads_per_row, splits,
+                  stride_split):  # fmt: skip
     """Write dk, dv as ``tree_attention_bwd_dkdv_kernel`` does (q, do with their non-finite rows zeroed,
-    v the forward's; lse and delta the preprocess pass's); ``order`` is the schedule's key-block order for
+    v the forward's; lse and delta the preprocess pass's; with ``splits`` > 1 float32 partials, one per
+    share of the query heads, ``stride_split`` apart); ``order`` is the schedule's key-block order for
     (DKDV_BLOCK_M, DKDV_BLOCK_N)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -309,9 +311,9 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scal
     descs = [_descriptor(x, block, dtype) for x in (q, k, v, do)]
     # the rows' LSE and delta come through TMA too ([B, Hq, Tq] rows of 16-byte multiples), plain layout
     rows = [_descriptor(x, [1, 1, DKDV_BLOCK_M], gl.float32) for x in (lse, delta)]
-    tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row,)](
+    tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row * splits,)](
         *descs, *rows, dk, dv, end, order, qk_scale, sm_scale,
-        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, Hkv, Hq // Hkv, Tq, Tk,
+        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, splits, stride_split, Hkv, Hq // Hkv, Tq, Tk,
         STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
     )  # fmt: skip
 
@@ -320,7 +322,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_bufs, v_bufs, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, ready, empty, b, hk, n0, GROUP, m_lo, m_hi):  # fmt: skip
+                     lse_bufs, delta_bufs, kv_bar, ready, empty, b, n0, hk, h_lo, h_hi, m_lo, m_hi):  # fmt: skip
         """The loader warp: K and V of the key block (two halves each), then Q, dO, LSE and delta of every
         query block the compute warpgroups walk, in their order."""
         STAGES_: gl.constexpr = q_bufs.shape[0]
@@ -332,8 +334,7 @@ if HAVE_GLUON:
             _tma_load(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, k_bufs.index(half))
             _tma_load(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, v_bufs.index(half))
         i = 0
-        for g in range(GROUP):
-            h = hk * GROUP + g
+        for h in range(h_lo, h_hi):  # the program's share of the GQA group's query heads
             for m in range(m_lo, m_hi):  # the three ranges of the compute partitions, back to back
                 s = i % STAGES_
                 mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)
@@ -378,10 +379,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_compute(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                      sm_scale, qk_scale, b, hk, n0, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, HALF):  # fmt: skip
-        """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the query heads of
-        the GQA group and their live query blocks (masked head, full middle, masked tail), then stored."""
+                      sm_scale, qk_scale, b, hk, n0, GROUP, SPLITS, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, stride_split,
+                      HALF):  # fmt: skip
+        """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the program's query
+        heads and their live query blocks (masked head, full middle, masked tail), then stored."""
         ROWS: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         KEYS: gl.constexpr = k_bufs.shape[3]
@@ -396,7 +398,8 @@ if HAVE_GLUON:
         k = k_bufs.index(HALF).reshape([KEYS, HEAD_DIM])
         v = v_bufs.index(HALF).reshape([KEYS, HEAD_DIM])
         i = 0
-        for g in range(GROUP):
+        split = gl.program_id(0) % SPLITS
+        for _ in range(split * GROUP // SPLITS, (split + 1) * GROUP // SPLITS):  # the program's query heads
             for m in range(m_lo, m_full_lo):
                 i, dk, dv = _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n,
                                        end_n, q_offset, qk_scale, True, s_layout, o_layout)  # fmt: skip
@@ -412,6 +415,8 @@ if HAVE_GLUON:
         mask = (offs_no < Tk)[:, None]
         b64 = b.to(gl.int64)
         hk64 = hk.to(gl.int64)
+        DK += split * stride_split  # float32 partials of the program's share when SPLITS > 1
+        DV += split * stride_split
         gl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + offs_no[:, None] * stride_dkt + offs_d[None, :],
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)  # fmt: skip
         gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + offs_no[:, None] * stride_dvt + offs_d[None, :],
@@ -423,14 +428,17 @@ if HAVE_GLUON:
         qk_scale, sm_scale,
         stride_dkb, stride_dkh, stride_dkt,
         stride_dvb, stride_dvh, stride_dvt,
-        stride_eb, heads_per_row,
+        stride_eb, heads_per_row, SPLITS, stride_split,
         Hkv, GROUP, Tq, Tk,
         STAGES: gl.constexpr,
     ):  # fmt: skip
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N_: gl.constexpr = 2 * ROWS
-        # the program's (batch, K/V head, key block), longest first (as tree_attention_bwd_dkdv_kernel)
+        # the program's (batch, K/V head, key block, share of the query heads), longest first (as
+        # tree_attention_bwd_dkdv_kernel)
         pid = gl.program_id(0)
+        split = pid % SPLITS
+        pid = pid // SPLITS
         row = gl.load(ORDER + pid // heads_per_row)
         rest = pid % heads_per_row
         num_n_blocks = gl.cdiv(Tk, BLOCK_N_)
@@ -438,6 +446,8 @@ if HAVE_GLUON:
         b = (row // num_n_blocks) * (heads_per_row // Hkv) + rest // Hkv
         hk = rest % Hkv
         n0 = pid_n * BLOCK_N_
+        h_lo = hk * GROUP + split * GROUP // SPLITS
+        h_hi = hk * GROUP + (split + 1) * GROUP // SPLITS
         q_offset = Tk - Tq
         END += b.to(gl.int64) * stride_eb
         # the live query blocks of the key block and their full middle (attention's dK/dV kernel)
@@ -460,10 +470,11 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
 
         compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                        sm_scale, qk_scale, b, hk, n0, GROUP, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                        stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
+                        sm_scale, qk_scale, b, hk, n0, GROUP, SPLITS, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
+                        stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+                        stride_split)  # fmt: skip
         loader_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_bufs, v_bufs, q_bufs, do_bufs,
-                       lse_bufs, delta_bufs, kv_bar, ready, empty, b, hk, n0, GROUP, m_lo, m_hi)  # fmt: skip
+                       lse_bufs, delta_bufs, kv_bar, ready, empty, b, n0, hk, h_lo, h_hi, m_lo, m_hi)  # fmt: skip
         first, second = compute_args + (gl.to_tensor(0),), compute_args + (gl.to_tensor(1),)
         gl.warp_specialize([(_dkdv_compute, first), (_dkdv_compute, second), (_dkdv_loader, loader_args)], [4, 1],
                            [240, 24])  # fmt: skip

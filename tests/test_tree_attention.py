@@ -171,6 +171,49 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
+
+def test_dkdv_splits_only_where_programs_are_too_few(monkeypatch):
+    """dK/dV splits a GQA group's query heads over programs only where its (key block, K/V head)
+    programs are too few for the device, at most one per query head and within its workspace."""
+    from dta_fast import attention
+
+    splits, cpu = attention._dkdv_splits, torch.device("cpu")  # the interpreter counts 4 SMs: 16 programs wanted
+    assert splits(1, 2, 128, 64, 1, cpu) == 1  # one query head per K/V head: nothing to split
+    assert splits(1, 2, 8 * 128, 64, 7, cpu) == 1  # 16 programs
+    assert splits(2, 2, 4 * 128, 64, 7, cpu) == 1
+    assert splits(1, 2, 4 * 128, 64, 7, cpu) == 2  # 8 programs
+    assert splits(1, 2, 2 * 128, 64, 7, cpu) == 4
+    assert splits(1, 2, 100, 64, 7, cpu) == 7  # 2 programs would want 8 shares: one per query head
+    partials = 2 * 1 * 2 * 100 * 64 * 4  # bytes of one share's float32 dK and dV
+    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", 3 * partials)
+    assert splits(1, 2, 100, 64, 7, cpu) == 3
+    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", partials - 1)
+    assert splits(1, 2, 100, 64, 7, cpu) == 1
+
+
+@pytest.mark.parametrize("Tq", [45, 19])
+def test_dkdv_split_heads_match_one_program_per_group(Tq, monkeypatch):
+    """Each GQA group's query heads split over programs (float32 partials summed in split order) give
+    the reference's gradients, those of one program per group up to rounding, and bitwise the same
+    gradients again."""
+    from dta_fast import attention
+
+    end = subtree_end_from_depths(random_depths(45, np.random.default_rng(11))).to(DEVICE)
+    q, k, v = make_qkv(1, 6, 2, Tq, 45, 32, torch.float32, seed=3)
+    chosen = []
+    choose = attention._dkdv_splits
+    monkeypatch.setattr(attention, "_dkdv_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    monkeypatch.setattr(attention, "DKDV_SPLIT_PROGRAMS_PER_SM", 0)
+    whole = check_tree_attention(q, k, v, end)
+    monkeypatch.setattr(attention, "DKDV_SPLIT_PROGRAMS_PER_SM", 10**6)
+    split = check_tree_attention(q, k, v, end)
+    again = check_tree_attention(q, k, v, end)
+    assert chosen == [1, 3, 3]
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), whole, split, again):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(b, c), name
+
+
 # ------------------------------------------------------------- bad input
 
 
