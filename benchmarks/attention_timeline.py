@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench_attention import write_results
 from compare_attention import SHAPES
 from dta_fast import build_schedule, tree_attention
 from dta_ref import PrefixTree
@@ -108,10 +109,8 @@ def main():
         for mode in ("back_to_back", "synced"):
             print(f"  {mode}: span {row[mode]['span_us']:.0f} us, kernels busy {row[mode]['busy_us']:.0f} us")
         del q, k, v, do
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS,
-            "harness": "attention_timeline.py: torch.profiler kernel durations of the middle of 5 calls"}  # fmt: skip
-    out = out_dir / f"attention_timeline_h{H}_d{D}.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = write_results(out_dir, f"attention_timeline_h{H}_d{D}.json", rows,
+                        "attention_timeline.py: torch.profiler kernel durations of the middle of 5 calls", calls=CALLS)
     print(f"\nwrote {out}")
 
 

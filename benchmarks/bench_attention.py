@@ -96,6 +96,17 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+def write_results(out_dir, name: str, rows: list, harness: str, **meta) -> Path:
+    """rows and the run's setting (GPU, torch, Triton, the harness) as out_dir/name, the JSON layout of
+    benchmarks/results: {"meta": ..., "rows": ...}."""
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "harness": harness, **meta}  # fmt: skip
+    out = Path(out_dir) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return out
+
+
 def event_median(step, inputs, repeats=EVENT_REPEATS) -> float:
     """Median ms of single calls timed with CUDA events, after three warm-up calls."""
     times = []

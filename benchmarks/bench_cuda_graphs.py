@@ -14,13 +14,11 @@ cuda_graphs.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 
-from bench_attention import event_median
+from bench_attention import event_median, write_results
 from dta_fast import build_schedule, tree_attention
 from dta_ref import PrefixTree, grpo_batch
 
@@ -101,11 +99,8 @@ def main():
         pairs = [(row[f"{kind}_eager_ms"], row[f"{kind}_graph_ms"]) for kind in ("fwd", "fwd_bwd")]
         cells = [f"{eager:.3f} / {graph:.3f} ({eager / graph:.1f}x)" for eager, graph in pairs]
         print(f"{name:42s} {cells[0]:>22s} {cells[1]:>24s}", flush=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "harness": "bench_cuda_graphs.py: CUDA-event medians of single synced calls"}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) / "cuda_graphs.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = write_results(args.out, "cuda_graphs.json", rows,
+                        "bench_cuda_graphs.py: CUDA-event medians of single synced calls")
     print(f"wrote {out}")
 
 

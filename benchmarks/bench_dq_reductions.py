@@ -17,9 +17,7 @@ medians; prints a table and writes dq_reductions.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 import triton
@@ -30,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.testing import do_bench
 
+from bench_attention import write_results
 from compare_attention import SHAPES
 from dta_ref import PrefixTree
 
@@ -135,11 +134,7 @@ def main():
         for name, ms in row.items():
             if name.endswith("_ms"):
                 print(f"  {name[:-3]:40s} {ms:8.3f} ms  {row['GB_added'] / ms:5.2f} TB/s added")
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "harness": "bench_dq_reductions.py: do_bench medians"}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) / "dq_reductions.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = write_results(args.out, "dq_reductions.json", rows, "bench_dq_reductions.py: do_bench medians")
     print(f"\nwrote {out}")
 
 
