@@ -14,6 +14,9 @@ autograd Function and the public ``tree_attention``.
   consecutive keys these ranges chain, so a key block's live queries are one
   contiguous range. The kernel walks it directly, summing over the query
   heads of its GQA group in registers: no atomics, bitwise deterministic.
+  Where those programs are too few for the GPU (few K/V heads, a short
+  call), each group's heads are split over several programs whose float32
+  partials one more pass adds in split order (``_dkdv_splits``).
 - Blocks whose every (query, key) pair is visible (full blocks) run in a loop
   of their own, without mask code: the lists hold a row's full key blocks
   first, and a key block's full query blocks are a contiguous run.

@@ -20,8 +20,9 @@ that product does.
 
 dK/dV (``tree_attention_bwd_dkdv_hopper_kernel``): a key block of 128, one compute warpgroup per 64
 keys holding its dK and dV; the loader brings K and V once, then per step the Q and dO tiles of 64
-queries with their rows' LSE and delta, over the query heads of the GQA group and the key block's
-contiguous query range (masked head, full middle, masked tail).
+queries with their rows' LSE and delta, over the query heads of the GQA group (or the program's
+share of them, attention._dkdv_splits) and the key block's contiguous query range (masked head, full
+middle, masked tail).
 
 dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks at head dim 128 (64 queries, key
 blocks of 64; at head dim 64 the Triton dQ, with key blocks of 128, stays), one compute warpgroup; small
