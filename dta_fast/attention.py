@@ -138,7 +138,9 @@ class TreeSchedule:
     ``block_lists(BLOCK_M, BLOCK_N)`` lists, per query block, its live key
     blocks; ``key_block_order`` ranks the key blocks by the queries they walk
     in dK/dV. Both are built on the GPU without waiting for it, once per
-    block shape.
+    block shape, and kept; except inside a CUDA graph capture, where a
+    kernel only records its work: what it builds there is filled in when the
+    graph replays, so it serves that graph and is not kept for later calls.
     """
 
     subtree_end: torch.Tensor  # [B, Tk] int32
@@ -156,9 +158,12 @@ class TreeSchedule:
 
     def block_lists(self, BLOCK_M: int, BLOCK_N: int) -> "BlockLists":
         key = (BLOCK_M, BLOCK_N)
-        if key not in self._lists:
-            self._lists[key] = _build_block_lists(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
-        return self._lists[key]
+        if key in self._lists:
+            return self._lists[key]
+        lists = _build_block_lists(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+        if not self._capturing():
+            self._lists[key] = lists
+        return lists
 
     def key_block_order(self, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
         """int32 [B * Nk]: the (batch row, key block) pairs, most query blocks to walk first.
@@ -167,10 +172,16 @@ class TreeSchedule:
         the order changes nothing in any program's result.
         """
         key = (BLOCK_M, BLOCK_N)
-        if key not in self._order:
-            work = _key_block_work(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
-            self._order[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32)
-        return self._order[key]
+        if key in self._order:
+            return self._order[key]
+        work = _key_block_work(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+        order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+        if not self._capturing():
+            self._order[key] = order
+        return order
+
+    def _capturing(self) -> bool:
+        return self.subtree_end.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)

@@ -458,6 +458,41 @@ def test_gpu_cuda_graph_checks_a_tree_before_the_capture():
     assert torch.equal(tree_attention(q, k, v, unchecked), want)  # outside a capture it is checked and runs
 
 
+def test_schedule_keeps_nothing_built_inside_a_capture(monkeypatch):
+    """Inside a CUDA graph capture a kernel only records its work, so block lists or a key-block order
+    built there hold nothing until the graph replays: the schedule hands them to that call and keeps
+    none, and a later call builds its own."""
+    from dta_fast.attention import TreeSchedule
+
+    end = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20)).subtree_end.to(DEVICE)
+    schedule = build_schedule(end)
+    eager = build_schedule(end)
+    monkeypatch.setattr(TreeSchedule, "_capturing", lambda self: True)
+    assert schedule.block_lists(16, 16).rows() == eager.block_lists(16, 16).rows()
+    assert torch.equal(schedule.key_block_order(16, 16), eager.key_block_order(16, 16))
+    assert not schedule._lists and not schedule._order
+    monkeypatch.setattr(TreeSchedule, "_capturing", lambda self: False)
+    lists = schedule.block_lists(16, 16)
+    assert schedule.block_lists(16, 16) is lists and schedule._lists
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capturing_first_leaves_the_schedule_usable():
+    """A schedule first used inside a capture (no warm-up with it): an eager call with it before the
+    graph ever replays gives the right output, and so does the replay."""
+    end = PrefixTree.from_sequences(grpo_batch(1, 200, 3, 50)).subtree_end.cuda()
+    T = end.numel()
+    q, k, v = make_qkv(1, 4, 2, T, T, 128, torch.bfloat16)
+    want = tree_attention(q, k, v, schedule=build_schedule(end))  # compiles, with another schedule
+    schedule = build_schedule(end)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention(q, k, v, schedule=schedule)
+    assert torch.equal(tree_attention(q, k, v, schedule=schedule), want)
+    graph.replay()
+    assert torch.equal(out, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_gpu_prebuilt_schedule_path_never_syncs():
