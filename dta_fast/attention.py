@@ -51,7 +51,9 @@ take 8 bytes per query-block, key-block pair); checking a ``subtree_end`` (what
 ``tree_attention`` does when given one) syncs: build the schedule once with
 ``build_schedule`` and pass it to every layer.
 A query that sees a non-finite value row gets NaN where plain attention might
-give inf. Under the Triton interpreter, Triton 3.6 needs the loop-bound fix
+give inf. A row's running maximum starts at -1e30, not -inf (a row may see no
+key of a block): a query whose every scaled score (scale * q.k, in float32)
+is below about -1e29 gets 0 and a wrong LSE. Under the Triton interpreter, Triton 3.6 needs the loop-bound fix
 below to run with NumPy 2.4.
 """
 
@@ -67,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dta_ref.tree import nesting_depth
@@ -109,8 +112,19 @@ if INTERPRET and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 
 
 
 def validate_subtree_end(subtree_end: torch.Tensor) -> None:
-    """Raise ValueError unless every row of subtree_end [B, T] is a preorder forest (dta_ref.tree.nesting_depth)."""
-    nesting_depth(subtree_end)
+    """Raise ValueError unless subtree_end ([T], or [B, T]: every row) is a preorder forest
+    (dta_ref.tree.nesting_depth); TypeError unless it is an integer tensor."""
+    _check_subtree_end_type(subtree_end)
+    nesting_depth(subtree_end if subtree_end.dim() == 2 else subtree_end[None])
+
+
+def _check_subtree_end_type(subtree_end) -> None:
+    if not isinstance(subtree_end, torch.Tensor):
+        raise TypeError(f"subtree_end must be a tensor, got {type(subtree_end).__name__}")
+    if subtree_end.dtype not in (torch.int32, torch.int64, torch.int16):
+        raise TypeError(f"subtree_end must be an integer tensor, got {subtree_end.dtype}")
+    if subtree_end.dim() not in (1, 2):
+        raise ValueError(f"subtree_end must be [Tk] or [B, Tk], got shape {tuple(subtree_end.shape)}")
 
 
 def _validate_once(subtree_end: torch.Tensor) -> None:
@@ -143,10 +157,20 @@ class TreeSchedule:
     graph replays, so it serves that graph and is not kept for later calls.
     """
 
-    subtree_end: torch.Tensor  # [B, Tk] int32
+    subtree_end: torch.Tensor  # [B, Tk] int32, contiguous; the schedule's own (build_schedule copies it)
     num_queries: int
     _lists: dict = field(default_factory=dict, repr=False)
     _order: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        # what the kernels assume of it; build_schedule also checks the tree (a host sync)
+        end = self.subtree_end
+        if not (isinstance(end, torch.Tensor) and end.dtype == torch.int32 and end.dim() == 2 and end.is_contiguous()):
+            raise ValueError(
+                "TreeSchedule.subtree_end must be a contiguous int32 [B, Tk] tensor: build schedules with "
+                f"build_schedule, got {getattr(end, 'dtype', type(end).__name__)} of shape {tuple(getattr(end, 'shape', ()))}"
+            )
+        _check_num_queries(self.num_queries, end.shape[1])
 
     @property
     def num_keys(self) -> int:
@@ -322,26 +346,28 @@ def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
     return BlockLists(count, full, idx, run, Nk)
 
 
-def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
-    """Check ``subtree_end`` ([Tk] or [B, Tk] int) and wrap it for the kernels."""
-    if not isinstance(subtree_end, torch.Tensor):
-        raise TypeError(f"subtree_end must be a tensor, got {type(subtree_end).__name__}")
-    if subtree_end.dtype not in (torch.int32, torch.int64, torch.int16):
-        raise TypeError(f"subtree_end must be an integer tensor, got {subtree_end.dtype}")
-    if subtree_end.dim() not in (1, 2):
-        raise ValueError(f"subtree_end must be [Tk] or [B, Tk], got shape {tuple(subtree_end.shape)}")
-    given = subtree_end
-    if subtree_end.dim() == 1:
-        subtree_end = subtree_end[None]
-    Tk = subtree_end.shape[1]
-    num_queries = Tk if num_queries is None else num_queries
+def _check_num_queries(num_queries, Tk: int) -> None:
+    if isinstance(num_queries, bool) or not isinstance(num_queries, int):
+        raise TypeError(f"num_queries must be an int, got {type(num_queries).__name__}")
     if not 1 <= num_queries <= Tk:
         raise ValueError(f"number of queries ({num_queries}) must be between 1 and the number of keys ({Tk})")
+
+
+def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
+    """Check ``subtree_end`` ([Tk] or [B, Tk] int) and wrap a copy of it for the kernels: writing to
+    ``subtree_end`` later leaves the schedule as it was built."""
+    _check_subtree_end_type(subtree_end)
+    Tk = subtree_end.shape[-1]
+    if isinstance(num_queries, numbers.Integral) and not isinstance(num_queries, bool):
+        num_queries = int(num_queries)  # a NumPy integer, say
+    num_queries = Tk if num_queries is None else num_queries
+    _check_num_queries(num_queries, Tk)
     if Tk >= 2**31 - 1:
         raise ValueError(f"too many keys for int32 tree metadata: {Tk}")
     if validate:
-        _validate_once(given)
-    return TreeSchedule(subtree_end.to(torch.int32).contiguous(), num_queries)
+        _validate_once(subtree_end)
+    rows = subtree_end if subtree_end.dim() == 2 else subtree_end[None]
+    return TreeSchedule(rows.to(torch.int32, memory_format=torch.contiguous_format, copy=True), num_queries)
 
 
 # ----------------------------------------------------------------- kernels
@@ -1083,7 +1109,7 @@ def _dkdv_splits(B: int, Hkv: int, Tk: int, D: int, group: int, device: torch.de
     """How many programs share a (key block, K/V head)'s query heads: 1 when its programs fill the GPU."""
     programs = B * Hkv * _cdiv(Tk, 128)
     wanted = DKDV_SPLIT_PROGRAMS_PER_SM * _sm_count(device)
-    if group == 1 or programs >= wanted:
+    if group == 1 or programs == 0 or programs >= wanted:  # programs == 0: an empty batch
         return 1
     affordable = DKDV_SPLIT_WORKSPACE_BYTES // (2 * B * Hkv * Tk * D * 4)
     return max(1, min(group, _cdiv(wanted, programs), affordable))
@@ -1145,6 +1171,7 @@ class TreeAttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @once_differentiable  # a second derivative would need its own kernels: refused, not silently dropped
     def backward(ctx, do, dlse):
         if do is None:  # the output reached no loss
             return None, None, None, None, None
@@ -1188,6 +1215,20 @@ def _check_inputs(q, k, v):
         raise ValueError(f"head dim {D} is not supported (at most 256)")
 
 
+SCALE_LIMIT = 1e38  # the kernels take scale * log2(e) as a float32
+
+
+def _check_scale(scale) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    try:
+        in_range = abs(float(scale)) <= SCALE_LIMIT  # False for NaN
+    except OverflowError:  # an int past float's range
+        in_range = False
+    if not in_range:
+        raise ValueError(f"scale must be finite and at most {SCALE_LIMIT:g} in size, got {scale}")
+
+
 def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSchedule | None = None, return_lse=False):
     """Tree attention: the query at key position i attends key j iff j <= i < subtree_end[j].
 
@@ -1196,7 +1237,8 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     (Tq < Tk: the first Tk - Tq keys are a cached prefix). Pass a ``schedule``
     from :func:`build_schedule` instead of ``subtree_end`` to reuse it across
     layers. Returns the output [B, Hq, Tq, D] (and the float32 natural-log
-    LSE [B, Hq, Tq] with ``return_lse=True``). Differentiable in q, k, v.
+    LSE [B, Hq, Tq] with ``return_lse=True``, which carries no gradient).
+    Differentiable in q, k, v, once (a double backward raises).
     """
     _check_inputs(q, k, v)
     B, Hq, Tq, D = q.shape
@@ -1220,13 +1262,16 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
     if schedule.subtree_end.device != q.device:
         raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    if scale is not None:
+        _check_scale(scale)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if sm_scale < 0:  # the kernels want a scale of at least 0 (_softmax_step): softmax(c q.k) = softmax(-c (-q).k)
         q, sm_scale = -q, -sm_scale
+    if INTERPRET and q.dtype == torch.bfloat16:
+        # the Triton interpreter's bfloat16 tl.dot is wrong (by up to ~1e9, Triton 3.6 to 3.9): float32
+        # kernels there, bfloat16 out; autograd casts the gradients back
+        out = tree_attention(q.float(), k.float(), v.float(), scale=sm_scale, schedule=schedule, return_lse=return_lse)
+        return (out[0].to(q.dtype), out[1]) if return_lse else out.to(q.dtype)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)

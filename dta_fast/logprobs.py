@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from dta_ref.adapter import adapt
@@ -119,6 +120,7 @@ class _HeadLogprobs(torch.autograd.Function):
         return torch.cat(picked), entropy[inverse] if with_entropy else lse.new_zeros(0)
 
     @staticmethod
+    @once_differentiable  # the backward works in place on recomputed logits: no graph to differentiate
     def backward(ctx, g_picked, g_entropy):
         hidden, weight, rows, inverse, targets, lse, entropy = ctx.saved_tensors
         with_entropy = g_entropy is not None and entropy is not None
@@ -267,6 +269,18 @@ def gather_logprobs_chunked(
     the head is a plain linear map, computes the (logprob, entropy) of each
     (sequence, step) from its row instead (a trainer's own fused kernel).
     """
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"tree must be a PrefixTree, got {type(tree).__name__}")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != tree.num_tokens:
+        raise ValueError(
+            f"hidden must be the tree's packed hidden states [{tree.num_tokens}, hidden], got "
+            f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}"
+        )
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)):
+        raise TypeError(f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     pairs = LogprobPairs.of(tree, mask)
     if vocab_head is not None and _fusable(head):
         values = torch.stack(vocab_head(hidden[pairs.rows], head.weight, pairs.targets, temperature))

@@ -11,6 +11,7 @@ import numbers
 
 import torch
 from einops import repeat
+from torch.autograd.function import once_differentiable
 
 from .tree import PrefixTree
 
@@ -131,6 +132,7 @@ class _MaskedAttention(torch.autograd.Function):
         return _masked_matmul(probs, v, mask)
 
     @staticmethod
+    @once_differentiable  # the saved probs carry no graph: a second derivative through them would be wrong
     def backward(ctx, grad_out):
         q, k, v, mask, probs = ctx.saved_tensors
         mask_t = mask.transpose(-1, -2)

@@ -9,6 +9,7 @@ position; autograd then sums the gradients of shared positions exactly.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +53,7 @@ class LogprobsAndEntropy:
 
 
 def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not (temperature > 0 and np.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")

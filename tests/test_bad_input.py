@@ -342,10 +342,47 @@ LOGPROB_CASES = [
 ]
 
 
+HEAD = torch.nn.Linear(4, TINY_VOCAB, bias=False).double()
+HIDDEN = torch.randn(TREE.num_tokens, 4, dtype=torch.float64)
+MASK = torch.ones(TREE.num_sequences, TREE.max_length - 1, dtype=torch.bool)
+LOGPROB_CASES += [
+    case("chunked-zero-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=0), ValueError,
+         "chunk_rows must be at least 1"),
+    case("chunked-float-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=2.5), TypeError,
+         "chunk_rows must be an int"),
+    case("chunked-zero-temperature", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, temperature=0.0),
+         ValueError, "temperature must be positive"),
+    case("chunked-hidden-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN[:-1], HEAD, TREE), ValueError,
+         "packed hidden states"),
+    case("chunked-hidden-3d", lambda: dta_fast.gather_logprobs_chunked(HIDDEN[None], HEAD, TREE), ValueError,
+         "packed hidden states"),
+    case("chunked-float-mask", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=MASK.float()),
+         TypeError, "mask must be a bool tensor"),
+    case("chunked-mask-shape", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=MASK[:, :1]),
+         ValueError, "mask has shape"),
+    case("chunked-list-tree", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, [[1, 2]]), TypeError,
+         "tree must be a PrefixTree"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("fn,exc,match", LOGPROB_CASES)
 def test_logprobs_reject(fn, exc, match):
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_numpy_temperature_is_a_number():
+    expected = dta_ref.tree_logprobs(tiny_decoder(), TREE, temperature=0.5)
+    torch.testing.assert_close(dta_ref.tree_logprobs(tiny_decoder(), TREE, temperature=np.float32(0.5)), expected)
+
+
+def test_reference_attention_refuses_second_derivatives():
+    """dta_ref.attention's backward saves the forward's probabilities without their graph: a second
+    derivative through it would be wrong, so it raises instead."""
+    q, k, v = (x.requires_grad_() for x in qkv())
+    (g,) = torch.autograd.grad(dta_ref.attention(q, k, v, CAUSAL).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
 
 
 def test_hf_error_leaves_attention_implementation_unchanged():

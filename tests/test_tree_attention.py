@@ -281,6 +281,82 @@ def test_bad_inputs():
         tree_attention(q, k, v)
 
 
+def test_bad_arguments_of_the_schedule_and_scale():
+    q, k, v = make_qkv(1, 2, 1, 5, 5, 16, torch.float32)
+    end = torch.full((5,), 5, device=DEVICE)
+    for num_queries, exc in ((2.5, TypeError), (True, TypeError), ("3", TypeError), (0, ValueError), (6, ValueError)):
+        with pytest.raises(exc, match="num_queries|number of queries"):
+            build_schedule(end, num_queries)
+    assert build_schedule(end, np.int64(3)).num_queries == 3  # a NumPy integer is an int
+    for bad in (end.float(), end.bool(), end.tolist()):
+        with pytest.raises(TypeError, match="subtree_end must be"):
+            dta_fast.validate_subtree_end(bad)
+    dta_fast.validate_subtree_end(end)  # [T] as well as [B, T]
+    with pytest.raises(ValueError, match="must be > its index"):
+        dta_fast.validate_subtree_end(torch.tensor([3, 1, 3]))
+    for scale in (1e39, float("nan"), 10**400):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            tree_attention(q, k, v, end, scale=scale)
+    # a schedule made by hand must be what the kernels read
+    with pytest.raises(ValueError, match="contiguous int32"):
+        dta_fast.TreeSchedule(end[None].int().expand(2, 5), 5)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        dta_fast.TreeSchedule(end.int(), 5)
+
+
+def test_schedule_keeps_the_tree_it_was_built_from():
+    """build_schedule copies subtree_end: writing the tensor afterwards changes neither the schedule's
+    mask nor its block lists (which would disagree with each other)."""
+    end = torch.arange(1, 33, dtype=torch.int32, device=DEVICE)
+    q, k, v = make_qkv(1, 1, 1, 32, 32, 16, torch.float32)
+    schedule = build_schedule(end)
+    before = tree_attention(q, k, v, schedule=schedule)
+    end.fill_(32)
+    after = tree_attention(q, k, v, schedule=schedule)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    torch.testing.assert_close(after, tree_attention(q, k, v, torch.arange(1, 33, device=DEVICE)), rtol=0, atol=0)
+    assert not torch.equal(after, tree_attention(q, k, v, end))  # the tree written since differs
+
+
+def test_empty_batch_with_gqa():
+    q, k, v = (x.requires_grad_() for x in make_qkv(0, 4, 2, 6, 6, 16, torch.float32))
+    out = tree_attention(q, k, v, torch.full((6,), 6, device=DEVICE))
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_second_derivatives_are_refused_not_dropped():
+    """The backward has no graph of its own: differentiating it raises instead of giving a gradient
+    without its second-order part."""
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 1, 6, 6, 16, torch.float32))
+    (g,) = torch.autograd.grad(tree_attention(q, k, v, torch.full((6,), 6, device=DEVICE)).pow(2).sum(), q,
+                               create_graph=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 path")
+def test_bfloat16_under_the_interpreter():
+    """The Triton interpreter's bfloat16 dot is wrong by orders of magnitude; tree_attention runs its
+    kernels in float32 there and returns bfloat16, gradients included."""
+    end = torch.arange(1, 21)
+    q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in make_qkv(1, 2, 1, 20, 20, 32, torch.float32))
+    out, lse = tree_attention(q, k, v, end, return_lse=True)
+    ref_q, ref_k, ref_v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = dta_fast.tree_attention(ref_q, ref_k, ref_v, end)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref.to(torch.bfloat16), rtol=0, atol=0)
+    out.sum().backward()
+    ref.sum().backward()
+    for x, r in ((q, ref_q), (k, ref_k), (v, ref_v)):
+        assert x.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(x.grad, r.grad.to(torch.bfloat16), rtol=0, atol=0)
+    from dta_ref import attention, mask_from_subtree_end
+
+    expected = attention(*(x.detach().double() for x in (q, k, v)), mask_from_subtree_end(end, torch.arange(20)))
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_public_api():
     assert dta_fast.tree_attention is tree_attention
 
