@@ -518,6 +518,8 @@ def estimated_step_bytes(
     through Hugging Face's ``gradient_checkpointing_enable()`` are counted so).
     benchmarks/bench_training.py measures the real peak.
     """
+    _check_tree(tree)
+    recompute = _check_recompute(recompute)
     size = _check_chunk_tokens(chunk_tokens)
     memory = MemoryModel.of(model)
     checkpoint_layers = _check_checkpoint_layers(checkpoint_layers, memory)
@@ -665,8 +667,21 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, r
     The estimate grows with the size but for small steps down, so "largest" is local: the size returned
     fits and the next size up does not (docs/chunked_execution.md, "Memory budget and the automatic
     default")."""
+    _check_tree(tree)
+    recompute = _check_recompute(recompute)
     budget = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
-    return _largest_fitting_plan(MemoryModel.of(model), _Forest.of(tree), budget, bool(recompute)).size
+    return _largest_fitting_plan(MemoryModel.of(model), _Forest.of(tree), budget, recompute).size
+
+
+def _check_tree(tree) -> None:
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+
+
+def _check_recompute(recompute, allow_none: bool = False) -> bool | None:
+    if (recompute is None and allow_none) or isinstance(recompute, (bool, np.bool_)):
+        return None if recompute is None else bool(recompute)
+    raise TypeError(f"recompute must be True, False{' or None' if allow_none else ''}, got {recompute!r}")
 
 
 # A chunk costs a fixed overhead (kernel launches, prefix gathers, logits windows, Python) worth about
@@ -1054,8 +1069,8 @@ def tree_backward(
     not). Returns ``(logprobs, loss)``: detached per-sequence logprobs
     [N, Lmax-1] (the layout of ``tree_logprobs``) and the detached total loss.
     """
-    if not isinstance(tree, PrefixTree):
-        raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    _check_tree(tree)
+    recompute = _check_recompute(recompute, allow_none=True)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     tree.validate(loss_fn)

@@ -171,14 +171,14 @@ class _KVEngine:
 
 
 def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens) -> Rollout:
-    device = adapt(model).device
-    run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
+    adapter = adapt(model)
+    run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens, adapter.vocab_size)
     longest = max(map(len, prompts))
     engine = _KVEngine(model, prompts, longest + max_new_tokens + max(longest, max_draft_tokens + 1) + 2 * ALIGN)
     active = run.active()
     while active:
         drafts = run.drafts(active)
-        uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, device)
+        uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, adapter.device)
         sampled, logprobs = engine.verify(drafts, uniforms, params)
         walks = run.finish_step(active, drafts, sampled, logprobs)
         engine.commit(walks, [not run.seqs[i].done for i in active])

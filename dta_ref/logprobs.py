@@ -52,11 +52,16 @@ class LogprobsAndEntropy:
     entropy: torch.Tensor
 
 
+# Below this the logits / temperature of a float32 head overflow to inf for logits of ~1e18 and up,
+# and softmax gives NaN: refused rather than computed.
+MIN_TEMPERATURE = 1e-20
+
+
 def check_temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (temperature > 0 and np.isfinite(temperature)):
-        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if not (temperature >= MIN_TEMPERATURE and np.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite (at least {MIN_TEMPERATURE:g}), got {temperature}")
     return float(temperature)
 
 

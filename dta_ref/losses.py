@@ -218,6 +218,8 @@ class TokenLoss:
         """
         N, L = self.shape
         index = torch.as_tensor(index, dtype=torch.long)
+        if index.dim() != 1 or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < N)):
+            raise ValueError(f"index must be 1-D sequence indices in [0, {N}), got {index.tolist()}")
         width = L if width is None else width
         if not 0 <= width <= L:
             raise ValueError(f"width must be between 0 and {L}, got {width}")
@@ -260,6 +262,10 @@ class TokenLoss:
             )
 
     def __call__(self, i: int, logprobs_i: torch.Tensor) -> torch.Tensor:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"the sequence index must be an int, got {type(i).__name__}")
+        if not 0 <= i < self.shape[0]:
+            raise ValueError(f"sequence index {i} is out of range for a loss over {self.shape[0]} sequences")
         if not isinstance(logprobs_i, torch.Tensor) or logprobs_i.dim() != 1 or logprobs_i.shape[0] > self.shape[1]:
             raise ValueError(
                 f"logprobs of sequence {i} must be 1-D of length <= {self.weights.shape[1]}, "

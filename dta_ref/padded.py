@@ -12,6 +12,8 @@ between the two with :meth:`PaddedLayout.to_tree` and :meth:`PaddedLayout.from_t
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,8 @@ class PaddedLayout:
     def _block(self, name: str, values: torch.Tensor, first_column: int) -> None:
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(values).__name__}")
+        if isinstance(first_column, bool) or not isinstance(first_column, numbers.Integral):
+            raise TypeError(f"first_column must be an int, got {type(first_column).__name__}")
         if values.dim() != 2 or values.shape[0] != self.num_rows:
             raise ValueError(f"{name} must be [{self.num_rows}, columns], got shape {tuple(values.shape)}")
         if not 0 <= first_column <= self.width - values.shape[1]:
@@ -91,6 +95,10 @@ class PaddedLayout:
         token lies outside the block (or past the row's end).
         """
         self._block("values", values, first_column)
+        if not isinstance(fill, numbers.Real):
+            raise TypeError(f"fill must be a number, got {type(fill).__name__}")
+        if not values.dtype.is_floating_point and not (math.isfinite(fill) and float(fill).is_integer()):
+            raise ValueError(f"fill must be a whole number for values of dtype {values.dtype}, got {fill}")
         t = torch.arange(self.tree_width, device=values.device)
         column = self.start.to(values.device)[:, None] + t + 1 - first_column  # [B, Lmax-1] in the block
         valid = (t < self.length.to(values.device)[:, None] - 1) & (column >= 0) & (column < values.shape[1])
@@ -101,6 +109,10 @@ class PaddedLayout:
 
     def from_tree(self, values: torch.Tensor, first_column: int, columns: int) -> torch.Tensor:
         """Per-sequence ``values`` [B, Lmax-1] as a block [B, columns] from ``first_column``: 0 where none."""
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a tensor, got {type(values).__name__}")
+        if isinstance(columns, bool) or not isinstance(columns, numbers.Integral) or columns < 0:
+            raise ValueError(f"columns must be a non-negative int, got {columns!r}")
         self._block("block", values.new_empty(self.num_rows, columns), first_column)
         if values.shape != (self.num_rows, self.tree_width):
             raise ValueError(f"values must be [{self.num_rows}, {self.tree_width}], got shape {tuple(values.shape)}")

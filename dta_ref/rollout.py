@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ import torch
 
 from .attention import attention, mask_from_subtree_end
 from .adapter import adapt
-from .logprobs import logprob_dtype
+from .logprobs import MIN_TEMPERATURE, logprob_dtype
 from .tree import _as_token_list
 
 BOS = -1  # marks where a stored sequence starts, so a match may be anchored at the prompt's end
@@ -63,6 +64,8 @@ class Rollout:
         """
         if len(prompts) != len(self.completions):
             raise ValueError(f"got {len(prompts)} prompts for {len(self.completions)} completions")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token (its last one scores the first completion token)")
         width = max(len(p) + len(c) for p, c in zip(prompts, self.completions)) - 1
         dtype = self.logprobs[0].dtype if self.logprobs else torch.float32
         out = torch.zeros(len(prompts), width, dtype=dtype)
@@ -86,11 +89,11 @@ class SamplingParams:
 def _check_int(name, value, minimum, allow_none=False):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)  # a NumPy integer as an int
 
 
 def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator):
@@ -106,18 +109,21 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
     except TypeError as e:
         raise TypeError(f"prompts: {e}") from None
     adapt(model).check_token_ids(torch.tensor([max(p) for p in prompts]))
-    _check_int("max_new_tokens", max_new_tokens, 0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-    _check_int("top_k", top_k, 1, allow_none=True)
+    if not math.isfinite(temperature) or not (temperature == 0 or temperature >= MIN_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below, the scaled logits "
+            f"overflow), got {temperature}"
+        )
+    top_k = _check_int("top_k", top_k, 1, allow_none=True)
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
             raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    _check_int("eos_token_id", eos_token_id, 0, allow_none=True)
+    eos_token_id = _check_int("eos_token_id", eos_token_id, 0, allow_none=True)
     if eos_token_id is not None:
         adapt(model).check_token_ids(torch.tensor([eos_token_id]))
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -480,9 +486,14 @@ class RolloutCache:
 
     def add(self, prompt, completion) -> None:
         prompt = _as_token_list(prompt, 0)
-        if isinstance(completion, torch.Tensor):
+        if isinstance(completion, torch.Tensor) and completion.dim() == 1 and not completion.dtype.is_floating_point:
             completion = completion.tolist()
-        completion = [] if len(completion) == 0 else _as_token_list(completion, 0)
+        if isinstance(completion, (str, bytes)) or not isinstance(completion, (list, tuple, np.ndarray)):
+            raise TypeError(f"completion must be a list of token ids, got {type(completion).__name__}")
+        try:
+            completion = [] if len(completion) == 0 else _as_token_list(completion, 0)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"completion: {e}") from None
         found = self._find(prompt)
         if found is None:
             store, tail = _Store(), []
@@ -501,7 +512,8 @@ class RolloutCache:
 
     def draft(self, prompt, generated, max_draft_tokens: int) -> DraftTree:
         """A draft tree of at most ``max_draft_tokens`` tokens to follow ``prompt + generated``."""
-        return self.drafter(prompt).draft(list(generated), max_draft_tokens)
+        max_draft_tokens = _check_int("max_draft_tokens", max_draft_tokens, 0)
+        return self.drafter(_as_token_list(prompt, 0)).draft(list(generated), max_draft_tokens)
 
 
 class Drafter:
@@ -620,7 +632,8 @@ class SpeculativeRun:
     at each draft node, from this step's uniforms.
     """
 
-    def __init__(self, prompts, max_new_tokens, cache, params, max_draft_tokens):
+    def __init__(self, prompts, max_new_tokens, cache, params, max_draft_tokens, vocab_size: int):
+        self.vocab_size = vocab_size  # drafts are checked against it: a cache may hold another tokenizer's ids
         self.seqs = [
             _Sequence(p, DraftBudget(max_draft_tokens), None if cache is None else cache.drafter(p)) for p in prompts
         ]
@@ -639,7 +652,13 @@ class SpeculativeRun:
         for i in active:
             s = self.seqs[i]
             size = min(s.budget.size(), self.max_new_tokens - len(s.tokens) - 1)
-            out.append(s.drafter.draft(s.tokens, size) if size > 0 else DraftTree())
+            draft = s.drafter.draft(s.tokens, size) if size > 0 else DraftTree()
+            if draft.tokens and max(draft.tokens) >= self.vocab_size:
+                raise ValueError(
+                    f"the rollout cache drafted token {max(draft.tokens)}, out of range for the model's vocabulary "
+                    f"of {self.vocab_size} tokens: was the cache filled with another tokenizer's ids?"
+                )
+            out.append(draft)
         return out
 
     def finish_step(self, active, drafts, sampled: list[list[int]], logprobs: list[list[float]]) -> list[Walk]:
@@ -696,7 +715,7 @@ def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0
     check_speculative_args(cache, max_draft_tokens)
     adapter = adapt(model)
     device, head = adapter.device, adapter.head
-    run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens)
+    run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens, adapter.vocab_size)
     while active := run.active():
         drafts = run.drafts(active)
         uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, device)

@@ -344,7 +344,7 @@ LOGPROB_CASES = [
 
 HEAD = torch.nn.Linear(4, TINY_VOCAB, bias=False).double()
 HIDDEN = torch.randn(TREE.num_tokens, 4, dtype=torch.float64)
-MASK = torch.ones(TREE.num_sequences, TREE.max_length - 1, dtype=torch.bool)
+TREE_MASK = torch.ones(TREE.num_sequences, TREE.max_length - 1, dtype=torch.bool)
 LOGPROB_CASES += [
     case("chunked-zero-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=0), ValueError,
          "chunk_rows must be at least 1"),
@@ -356,9 +356,9 @@ LOGPROB_CASES += [
          "packed hidden states"),
     case("chunked-hidden-3d", lambda: dta_fast.gather_logprobs_chunked(HIDDEN[None], HEAD, TREE), ValueError,
          "packed hidden states"),
-    case("chunked-float-mask", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=MASK.float()),
+    case("chunked-float-mask", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=TREE_MASK.float()),
          TypeError, "mask must be a bool tensor"),
-    case("chunked-mask-shape", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=MASK[:, :1]),
+    case("chunked-mask-shape", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=TREE_MASK[:, :1]),
          ValueError, "mask has shape"),
     case("chunked-list-tree", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, [[1, 2]]), TypeError,
          "tree must be a PrefixTree"),
@@ -479,6 +479,34 @@ LOSS_CASES = [
     ),
     case("sft-logprobs-3d", lambda: dta_ref.sft_loss(LP[None], MASK), ValueError, r"logprobs must be \[N, L\]"),
 ]
+
+
+SFT = dta_ref.SFTLoss(MASK)
+LAYOUT = dta_ref.PaddedLayout.of(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+LOSS_CASES += [
+    case("loss-index-past-the-batch", lambda: SFT(5, LP[0]), ValueError, "sequence index 5 is out of range"),
+    case("loss-negative-index", lambda: SFT(-1, LP[0]), ValueError, "sequence index -1 is out of range"),
+    case("loss-float-index", lambda: SFT(1.0, LP[0]), TypeError, "sequence index must be an int"),
+    case("loss-rows-past-the-batch", lambda: SFT.rows([5]), ValueError, "index must be 1-D sequence indices"),
+    case("padded-float-column", lambda: LAYOUT.to_tree(torch.ones(2, 3), 2.5), TypeError, "first_column must be an int"),
+    case("padded-bool-column", lambda: LAYOUT.to_tree(torch.ones(2, 3), True), TypeError, "first_column must be an int"),
+    case("padded-nan-fill-of-ints", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.long), 1, fill=float("nan")),
+         ValueError, "fill must be a whole number"),
+    case("padded-from-list", lambda: LAYOUT.from_tree([[1.0, 1.0]] * 2, 1, 2), TypeError, "values must be a tensor"),
+    case("padded-negative-columns", lambda: LAYOUT.from_tree(torch.ones(2, 3), 1, -1), ValueError,
+         "columns must be a non-negative int"),
+    case("response-mask-of-bools", lambda: TREE.response_mask([True, True]), ValueError, "prompt_lengths must be"),
+    case("step-bytes-of-a-list", lambda: dta_fast.estimated_step_bytes(tiny_decoder(), [[1, 2]], 2), TypeError,
+         "expected a PrefixTree"),
+    case("budget-of-a-list", lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), [[1, 2]], 10**6), TypeError,
+         "expected a PrefixTree"),
+    case("recompute-a-string", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE), recompute="no"),
+         TypeError, "recompute must be True, False or None"),
+]  # fmt: skip
+
+
+def SFTLoss_of(tree):
+    return dta_ref.SFTLoss(tree.logprob_mask)
 
 
 @pytest.mark.parametrize("fn,exc,match", LOSS_CASES)

@@ -366,6 +366,7 @@ BAD = [
     ("negative-max-new", dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
     ("float-max-new", dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
     ("negative-temperature", dict(temperature=-0.5), ValueError, "temperature must be"),
+    ("subnormal-temperature", dict(temperature=1e-40), ValueError, "the scaled logits overflow"),
     ("nan-temperature", dict(temperature=float("nan")), ValueError, "temperature must be"),
     ("top-p-zero", dict(top_p=0.0), ValueError, "top_p must be in"),
     ("top-p-above-one", dict(top_p=1.5), ValueError, "top_p must be in"),
@@ -398,6 +399,40 @@ def test_bad_speculative_input(model, engine):
         SPECULATIVE[engine](model, [[1]], 2, cache=dta_ref.RolloutCache(), max_draft_tokens=-1)
     with pytest.raises(TypeError, match="unsupported model"):
         SPECULATIVE[engine](torch.nn.Linear(2, 2), [[1]], 2, cache=dta_ref.RolloutCache())
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+def test_cache_of_another_vocabulary_is_refused(model, engine):
+    """A cache holding ids the model does not have (filled with another tokenizer) is a clear error, not an
+    index error in the embedding (a device-side assert on CUDA)."""
+    cache = dta_ref.RolloutCache()
+    cache.add([3], [40, 41])  # the model's vocabulary has 32 tokens
+    with pytest.raises(ValueError, match="drafted token 41, out of range for the model.s vocabulary of 32"):
+        SPECULATIVE[engine](model, [[3]], 3, cache=cache, temperature=0)
+
+
+@pytest.mark.parametrize("sampler", ["ref", "fast"])
+def test_numpy_scalars_are_numbers(model, sampler):
+    import numpy as np
+
+    plain = PLAIN[sampler](model, [[1, 2]], 3, temperature=0.7, top_k=5, eos_token_id=3, generator=gen())
+    numpy = PLAIN[sampler](model, [[1, 2]], np.int64(3), temperature=np.float32(0.7), top_k=np.int64(5),
+                           eos_token_id=np.int64(3), generator=gen())  # fmt: skip
+    assert numpy.completions == plain.completions
+
+
+def test_bad_cache_and_rollout_arguments():
+    cache = dta_ref.RolloutCache()
+    for completion in (None, 5, "12"):
+        with pytest.raises(TypeError, match="completion must be a list of token ids"):
+            cache.add([1], completion)
+    with pytest.raises(ValueError, match="completion: sequence 0: tokens must be non-negative"):
+        cache.add([1], [2, -3])
+    with pytest.raises(TypeError, match="max_draft_tokens must be an int"):
+        cache.draft([1], [], "3")
+    rollout = dta_ref.Rollout([[5]], [torch.zeros(1)])
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        rollout.padded_logprobs([[]])
 
 
 def test_rl_loop_generate_then_tree_backward(model):
