@@ -72,6 +72,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from dta_ref.attention import autocast_inputs
 from dta_ref.tree import nesting_depth
 
 from dta_fast import attention_hopper  # absolute: benchmarks load copies of this file as top-level modules
@@ -1238,8 +1239,10 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     from :func:`build_schedule` instead of ``subtree_end`` to reuse it across
     layers. Returns the output [B, Hq, Tq, D] (and the float32 natural-log
     LSE [B, Hq, Tq] with ``return_lse=True``, which carries no gradient).
-    Differentiable in q, k, v, once (a double backward raises).
+    Differentiable in q, k, v, once (a double backward raises). Under
+    autocast, q, k and v are first cast to its dtype, as SDPA's are.
     """
+    q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v)
     B, Hq, Tq, D = q.shape
     Tk = k.shape[2]
@@ -1270,7 +1273,9 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     if INTERPRET and q.dtype == torch.bfloat16:
         # the Triton interpreter's bfloat16 tl.dot is wrong (by up to ~1e9, Triton 3.6 to 3.9): float32
         # kernels there, bfloat16 out; autograd casts the gradients back
-        out = tree_attention(q.float(), k.float(), v.float(), scale=sm_scale, schedule=schedule, return_lse=return_lse)
+        with torch.autocast(q.device.type, enabled=False):  # else autocast would cast them back
+            out = tree_attention(q.float(), k.float(), v.float(), scale=sm_scale, schedule=schedule,
+                                 return_lse=return_lse)  # fmt: skip
         return (out[0].to(q.dtype), out[1]) if return_lse else out.to(q.dtype)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

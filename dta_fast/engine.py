@@ -617,13 +617,13 @@ def _largest_fitting_plan(
                 hi = min(2 * lo, T)
     if lo is None:
         if memo:
-            smallest = f"the smallest estimate among the {len(memo)} chunk sizes tried is {min(memo.values()) / 2**30:.3f}"
+            smallest = f"the smallest estimate among the {len(memo)} chunk sizes tried is {_size(min(memo.values()))}"
         else:
-            smallest = f"every chunk size's estimate is at least {floor_bytes / 2**30:.3f}"
+            smallest = f"every chunk size's estimate is at least {_size(floor_bytes)}"
         raise ValueError(
-            f"memory budget of {budget / 2**30:.3f} GiB is too small: {smallest} GiB (the open chunks' K/V, the "
+            f"memory budget of {_size(budget)} is too small: {smallest} (the open chunks' K/V, the "
             "vocabulary head's backward and "
-            f"{activation / 2**20:.2f} MiB of activations per chunk token"
+            f"{_size(activation)} of activations per chunk token"
             + ("" if recompute else "; try recompute=True") + ")"
         )
     fitted = [lo]  # sizes that fit, in the order found (increasing)
@@ -671,6 +671,14 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, r
     recompute = _check_recompute(recompute)
     budget = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
     return _largest_fitting_plan(MemoryModel.of(model), _Forest.of(tree), budget, recompute).size
+
+
+def _size(num_bytes: float) -> str:
+    """A byte count as people read it: 512 B, 3.25 MiB, 1.500 GiB."""
+    for unit, digits, scale in (("GiB", 3, 2**30), ("MiB", 2, 2**20), ("KiB", 1, 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{digits}f} {unit}"
+    return f"{int(num_bytes)} B"
 
 
 def _check_tree(tree) -> None:
@@ -945,8 +953,9 @@ class _Engine:
         # a root that needs no gradient is left out: the hidden states when only the head trains, all of
         # them when nothing in the model does
         trained = [(root, grad) for root, grad in zip(roots, grads) if root.requires_grad]
-        if trained:
-            torch.autograd.backward(*zip(*trained))
+        if trained:  # not under a caller's autocast: a backward runs in its forward's dtypes
+            with torch.autocast(chunk_pass.hidden.device.type, enabled=False):
+                torch.autograd.backward(*zip(*trained))
         del self.open[c]
 
     def span(self, c: int) -> slice:
@@ -1177,7 +1186,8 @@ def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor):
         terms.append(term.reshape(()))
     differentiable = [t for t in terms if t.requires_grad]
     if differentiable:
-        torch.autograd.backward(differentiable)
+        with torch.autocast(logprobs.device.type, enabled=False):  # as above: not under a caller's autocast
+            torch.autograd.backward(differentiable)
     g = torch.zeros_like(logprobs)
     for i, lp_i in enumerate(leaves):
         if lp_i.grad is not None:

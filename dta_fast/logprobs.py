@@ -122,6 +122,11 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the backward works in place on recomputed logits: no graph to differentiate
     def backward(ctx, g_picked, g_entropy):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as the forward ran
+            return _HeadLogprobs._backward(ctx, g_picked, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_picked, g_entropy):
         hidden, weight, rows, inverse, targets, lse, entropy = ctx.saved_tensors
         with_entropy = g_entropy is not None and entropy is not None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -242,7 +247,9 @@ def head_logprobs(
         out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
         return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is
     if _fusable(head):
-        out, ent = _HeadLogprobs.apply(hidden, head.weight, unique, inverse, targets, windows, temperature, entropy)
+        # in the weight's dtype, autocast or not: the backward recomputes the logits as the forward made them
+        with torch.autocast(hidden.device.type, enabled=False):
+            out, ent = _HeadLogprobs.apply(hidden, head.weight, unique, inverse, targets, windows, temperature, entropy)
         return (torch.stack([out, ent]) if entropy else out).to(dtype)
     # a window's logits are recomputed in the backward rather than kept, whenever there is one: also
     # when only the head trains (the hidden states then need no gradient)

@@ -36,7 +36,7 @@ from trl.kernels import ChunkedLogProbFunction
 from dta_ref.padded import PaddedLayout
 
 from ._trainers import LinearizedLoss, block_logprobs_and_entropy
-from .engine import tree_backward
+from .engine import _check_bytes, _check_chunk_tokens, tree_backward
 from .tree import build_tree
 
 
@@ -62,6 +62,23 @@ class TreeGRPOConfig(GRPOConfig):
             "budget's plan decides (None). Layers the model checkpoints itself (gradient_checkpointing) stay so."
         },
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        # checked here rather than at the first training step, after a round of generation
+        chunk, budget = self.tree_max_chunk_tokens, self.tree_memory_budget_bytes
+        if chunk is not None and budget is not None:
+            raise ValueError("give tree_max_chunk_tokens or tree_memory_budget_bytes, not both")
+        if chunk is not None:
+            _check_chunk_tokens(chunk, "tree_max_chunk_tokens")
+        if budget is not None:
+            _check_bytes(budget, "tree_memory_budget_bytes")
+        if self.tree_checkpoint_layers is not None:
+            if not isinstance(self.tree_checkpoint_layers, bool):
+                raise TypeError(f"tree_checkpoint_layers must be True, False or None, got {self.tree_checkpoint_layers!r}")
+            if chunk is None and budget is None:
+                raise ValueError("tree_checkpoint_layers applies to chunks: set tree_max_chunk_tokens or "
+                                 "tree_memory_budget_bytes too")  # fmt: skip
 
 
 VOCAB_CHUNK = 32768  # vocabulary columns per tile of TRL's fused head

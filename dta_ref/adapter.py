@@ -74,6 +74,12 @@ class ModelAdapter:
                 self.data_parallel = self.data_parallel or core
                 core = core.module
             elif _is_peft(core):
+                config = getattr(core, "active_peft_config", None)
+                if getattr(config, "is_prompt_learning", False):
+                    raise TypeError(
+                        f"PEFT {getattr(config.peft_type, 'value', config.peft_type)} adds virtual tokens outside the model's modules, which a packed "
+                        "tree does not hold: adapters inside the modules (LoRA and the like) are supported"
+                    )
                 core = core.get_base_model()
             else:
                 break
@@ -117,7 +123,9 @@ class ModelAdapter:
 
     @property
     def vocab_size(self) -> int:
-        return self.embedding.num_embeddings
+        embedding = self.embedding
+        base = embedding.get_base_layer() if callable(getattr(embedding, "get_base_layer", None)) else embedding
+        return base.num_embeddings  # through PEFT's wrapper of an adapted embedding (LoRA on embed_tokens)
 
     @property
     def device(self) -> torch.device:

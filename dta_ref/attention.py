@@ -38,6 +38,16 @@ def mask_from_subtree_end(subtree_end: torch.Tensor, query_positions: torch.Tens
     return (j <= i) & (i < subtree_end[..., None, :])
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v as autocast hands them to SDPA: all three in its dtype where autocast is on for their
+    device (under autocast a model's projections give 16-bit q, k, v and RoPE's float32 tables turn q and
+    k back to float32), else as they are."""
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in (q, k, v))
+    return q, k, v
+
+
 def attention(q, k, v, mask, scale=None):
     """Softmax attention with an explicit boolean mask (True = may attend).
 
@@ -45,8 +55,10 @@ def attention(q, k, v, mask, scale=None):
     mask broadcastable to [B, Hq, Tq, Tk]. Returns [B, Hq, Tq, D] in q's dtype.
     Every query must be allowed at least one key. A key a query may not attend
     never reaches its output or gradients, even when the key's rows hold NaN
-    or inf; a query that attends a non-finite value row gets NaN.
+    or inf; a query that attends a non-finite value row gets NaN. Under
+    autocast, q, k and v are first cast to its dtype, as SDPA's are.
     """
+    q, k, v = autocast_inputs(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
@@ -84,7 +96,8 @@ def attention(q, k, v, mask, scale=None):
     v = repeat(v, "b h t d -> b (h g) t d", g=group)
     # Low-precision inputs are computed in float32, as every fused kernel does.
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    out = _MaskedAttention.apply(q.to(compute), k.to(compute), v.to(compute), mask, scale)
+    with torch.autocast(q.device.type, enabled=False):  # in ``compute``, not in autocast's dtype
+        out = _MaskedAttention.apply(q.to(compute), k.to(compute), v.to(compute), mask, scale)
     return out.to(q.dtype)
 
 

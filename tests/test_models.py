@@ -115,6 +115,30 @@ def lora_model(family, seed=6):
     return get_peft_model(tiny_hf_model(family, torch.float32, "sdpa", seed=seed).to(DEVICE), config)
 
 
+def test_peft_lora_on_the_embedding():
+    """PEFT wraps an adapted embedding in a module of its own; its vocabulary is the base layer's."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
+    model = get_peft_model(tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6).to(DEVICE), config)
+    assert dta_ref.adapt(model).vocab_size == 64
+    assert_matches_each_rollout_alone(model)
+
+
+def test_peft_prompt_learning_is_refused():
+    """Prompt and prefix tuning add virtual tokens outside the model's modules, which the tree does not
+    hold: refused, not silently dropped."""
+    pytest.importorskip("peft")
+    from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
+
+    for config in (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+                   PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)):  # fmt: skip
+        model = get_peft_model(tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6), config)
+        with pytest.raises(TypeError, match="adds virtual tokens"):
+            dta_fast.tree_logprobs(model, TREE)
+
+
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_peft_lora(family):
     pytest.importorskip("peft")

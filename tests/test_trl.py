@@ -133,6 +133,44 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
     assert (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
 
 
+@pytest.mark.parametrize("chunking", [{}, {"tree_max_chunk_tokens": 8}], ids=["packed", "chunked"])
+def test_tree_grpo_trainer_under_bf16_autocast(chunking, tmp_path):
+    """GRPOConfig's bf16=True runs a float32 model under bfloat16 autocast: one step's loss is
+    GRPOTrainer's, and its update is as close to the float32 update as GRPOTrainer's own."""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+
+    def step(trainer_cls, config_cls, name, **options):
+        logs, _, updates = train(trainer_cls, config_cls, tmp_path / name, path, max_steps=1, **options)
+        return logs[0]["loss"], torch.cat([updates[n].flatten() for n in sorted(updates)])
+
+    _, exact = step(GRPOTrainer, GRPOConfig, "exact")
+    base_loss, base = step(GRPOTrainer, GRPOConfig, "base", bf16=True)
+    tree_loss, tree = step(TreeGRPOTrainer, TreeGRPOConfig, "tree", bf16=True, **chunking)
+    assert tree_loss == pytest.approx(base_loss, rel=1e-3, abs=1e-5)
+    base_error, error = (base - exact).norm() / exact.norm(), (tree - exact).norm() / exact.norm()
+    assert 0 < base_error < 0.1 and error <= 1.5 * base_error, (float(base_error), float(error))
+
+
+@pytest.mark.parametrize(
+    "options, exc, match",
+    [
+        (dict(tree_max_chunk_tokens=0), ValueError, "tree_max_chunk_tokens must be at least 1"),
+        (dict(tree_max_chunk_tokens=2.5), TypeError, "tree_max_chunk_tokens must be an int"),
+        (dict(tree_memory_budget_bytes=-1), ValueError, "tree_memory_budget_bytes must be"),
+        (dict(tree_max_chunk_tokens=8, tree_memory_budget_bytes=2**30), ValueError, "not both"),
+        (dict(tree_checkpoint_layers=True), ValueError, "applies to chunks"),
+        (dict(tree_max_chunk_tokens=8, tree_checkpoint_layers="yes"), TypeError, "tree_checkpoint_layers must be"),
+    ],
+)
+def test_tree_options_are_checked_with_the_config(options, exc, match, tmp_path):
+    """Before any generation: a bad option is an error when the config is made, not at the first step."""
+    with pytest.raises(exc, match=match):
+        config(TreeGRPOConfig, tmp_path, **options)
+
+
 def test_memory_budget_refuses_an_entropy_bonus(tmp_path):
     model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
     model.config.pad_token_id, model.config.eos_token_id = 0, 1

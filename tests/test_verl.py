@@ -77,3 +77,21 @@ def test_verl_layout_errors(change, message):
     model = tiny_hf_model("qwen2", torch.float32, "sdpa")
     with pytest.raises(ValueError, match=message):
         verl_log_probs(model, *change(verl_micro_batch(PROMPTS, RESPONSES)))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_verl_log_probs_under_autocast(family):
+    """verl's actor (and TRL with bf16=True) scores a float32 model under bfloat16 autocast, where RoPE
+    turns q and k back to float32 and v stays bfloat16: tree attention casts them as SDPA does, and the
+    result is as close to the float32 computation as the model's own padded forward under autocast."""
+    model = tiny_hf_model(family, torch.float32, "sdpa", seed=2).to(DEVICE).train()
+    batch = tuple(x.to(DEVICE) for x in verl_micro_batch(PROMPTS, RESPONSES))
+    response_mask = batch[1][:, -batch[3].shape[1] :].bool()
+    exact = verl_reference(model, *batch, 1.0)[0][response_mask].detach()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        own = verl_reference(model, *batch, 1.0)[0][response_mask]
+        out = verl_log_probs(model, *batch).log_probs[response_mask]
+    own_error, error = (own - exact).abs().max(), (out - exact).abs().max()
+    assert 0 < own_error < 0.1 and error <= 2 * own_error, (float(own_error), float(error))
+    (grad,) = torch.autograd.grad(out.sum(), model.model.embed_tokens.weight)  # the backward runs too
+    assert grad.dtype == torch.float32 and grad.isfinite().all()
