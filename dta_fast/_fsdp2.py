@@ -117,6 +117,18 @@ def _keep_whole(root) -> None:
     root.set_is_last_backward(True)  # every backward's end waits on its own work
 
 
+def _drop_unreduced(root) -> None:
+    """Forget the whole gradients a failed call accumulated: kept on the unsharded parameters, the next
+    call would reduce them with its own. The sharded ``.grad`` from before the call stays."""
+    for param in root.parameters():  # the whole (unsharded) parameters while the call holds them
+        param.grad = None
+    for module in (m for m in root.modules() if is_fsdp2(m)):
+        for group in _param_groups(module):
+            for fsdp_param in group.fsdp_params:
+                if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                    fsdp_param.unsharded_accumulated_grad = None  # where a reduce dtype keeps them
+
+
 def _reduce_once(root) -> None:
     """One reduce-scatter per FSDP parameter group of the gradients accumulated on this rank."""
     for param in root.parameters():  # whole parameters now; a rank with no shard contributes zeros
@@ -159,6 +171,7 @@ def fsdp2_shard_backward(root, run_shard, group):
         try:
             result = run_shard(root)
         except Exception:  # every rank fails here together (distributed.py agrees first): no reduction
+            _drop_unreduced(root)
             for module in (m for m in root.modules() if is_fsdp2(m)):
                 module.reshard()
             raise

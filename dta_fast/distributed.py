@@ -18,13 +18,16 @@ the rank and its message, within the time of one small all-reduce.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from dta_ref.adapter import adapt
+from dta_ref.logprobs import logprob_dtype
 from dta_ref.losses import TokenLoss
+from dta_ref.tree import _as_token_list
 
 from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
 from .engine import tree_backward
@@ -51,7 +54,10 @@ def _checked_shards(plan, num_sequences, world) -> list[list[int]]:
     shards = getattr(plan, "shards", plan)
     if not isinstance(shards, (list, tuple)) or len(shards) != world:
         raise ValueError(f"plan must give one list of sequence indices per rank ({world}), got {shards!r:.80}")
-    shards = [[int(i) for i in shard] for shard in shards]
+    try:
+        shards = [[operator.index(i) for i in shard] for shard in shards]
+    except TypeError:
+        raise TypeError(f"plan must hold integer sequence indices, got {shards!r:.80}") from None
     if sorted(i for shard in shards for i in shard) != list(range(num_sequences)):
         raise ValueError(f"plan must place each of the {num_sequences} sequences on exactly one rank")
     return shards
@@ -67,13 +73,15 @@ def _shared_plan(sequences, world, cost_model, plan, rank, group):
                 message[0] = ("ok", partition(sequences, world, cost_model).shards)
             else:
                 message[0] = ("ok", _checked_shards(plan, len(sequences), world))
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # any: the other ranks are waiting in the broadcast below
             message[0] = (type(error).__name__, str(error))
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(message, src=src, group=group)
     status, payload = message[0]
-    if status != "ok":
+    if status in ("TypeError", "ValueError"):
         raise (TypeError if status == "TypeError" else ValueError)(payload)
+    if status != "ok":
+        raise RuntimeError(f"distributed_tree_backward failed on rank 0 while planning: {status}: {payload}")
     return payload
 
 
@@ -140,8 +148,8 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     An error on any rank (a bad token in its shard, a loss built for another
     shape, a failure while training) makes every rank raise the same
     ValueError/TypeError/RuntimeError naming the rank, before any gradient
-    is reduced; ``.grad`` is then as it was before the call (plain and DDP
-    models).
+    is reduced; ``.grad`` is then as it was before the call (plain, DDP and
+    FSDP2 models).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
@@ -155,11 +163,19 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         module, no_sync = _unwrap(model)
         if not shard:
             return module, no_sync, None, None
-        tree = build_tree([sequences[i] for i in shard])
+        try:
+            tree = build_tree([sequences[i] for i in shard])
+        except (TypeError, ValueError):
+            for i in shard:  # name the bad sequence by its index in the batch, not in this rank's shard
+                _as_token_list(sequences[i], i)
+            raise
         adapt(module).check_token_ids(tree.tokens)
         if isinstance(loss_fn, TokenLoss):
             if loss_fn.shape[0] != len(sequences):
                 raise ValueError(f"loss_fn was built for {loss_fn.shape[0]} sequences, the batch has {len(sequences)}")
+            # the whole batch's lengths, as tree_backward on one process checks them: a loss wider than the
+            # batch, or a mask past a sequence's end (named by its index in the batch)
+            loss_fn.check_lengths(torch.tensor([len(sequences[i]) for i in range(len(sequences))]))
             local_fn = loss_fn.rows(shard, min(tree.max_length - 1, loss_fn.shape[1]))  # moved to the GPU once
         else:
 
@@ -175,7 +191,8 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
         device = next(module.parameters()).device
         if tree is None:
-            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, device=device)
+            dtype = logprob_dtype(adapt(module).dtype)
+            return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, dtype=dtype, device=device)
         with no_sync:
             logprobs, loss = tree_backward(module, tree, local_fn, **options)
         return loss.detach().double(), logprobs

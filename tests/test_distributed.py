@@ -181,6 +181,24 @@ def _empty_shard_worker(rank, world, init_file):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2], [3]], lambda i, lp: lp.sum(), plan=[[0], [0, 2]])
         with pytest.raises(ValueError, match="one list of sequence indices per rank"):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(), plan=[[0, 1]])
+        for index in (1.9, float("inf")):  # not truncated, and no rank left waiting in the plan's broadcast
+            with pytest.raises(TypeError, match="integer sequence indices"):
+                dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(),
+                                                   plan=[[0], [index]])  # fmt: skip
+        # errors name sequences by their index in the batch, not in a rank's shard
+        sequences = [[1, 2], [3, 4], [5, 6], [7, -8]]
+        with pytest.raises(ValueError, match="sequence 3: tokens must be non-negative"):
+            dta_fast.distributed_tree_backward(_model("decoder"), sequences, lambda i, lp: lp.sum(),
+                                               plan=[[0, 1], [2, 3]])  # fmt: skip
+        # a loss built for other lengths is refused as on one process, not cut to each shard's width
+        sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3], [9, 10, 11]]
+        mask = torch.zeros(3, 7, dtype=torch.bool)
+        with pytest.raises(ValueError, match=r"built for logprobs of shape \(3, 7\), the tree has \(3, 5\)"):
+            dta_fast.distributed_tree_backward(_model("decoder"), sequences, dta_ref.SFTLoss(mask), plan=[[0], [1, 2]])
+        mask = torch.zeros(3, 5, dtype=torch.bool)
+        mask[2, 3] = True  # past the end of sequence 2
+        with pytest.raises(ValueError, match="step 3 of sequence 2"):
+            dta_fast.distributed_tree_backward(_model("decoder"), sequences, dta_ref.SFTLoss(mask), plan=[[0, 2], [1]])
     finally:
         dist.destroy_process_group()
 
@@ -391,6 +409,37 @@ def test_fsdp2_next_steps(tmp_path):
 def test_fsdp2_hf_model(tmp_path):
     pytest.importorskip("transformers")
     _spawn_fsdp(tmp_path, 2, kind="qwen3", max_chunk_tokens=9)
+
+
+def _check_fsdp_after_a_failure(world, expected):
+    """A call that fails on one rank (the others trained their whole shard) leaves no gradient behind for
+    the next call to reduce: the retry gives the whole batch's gradient, on top of what was there."""
+    import dta_fast
+
+    sequences = _batch()
+    _, exp_grads, (_, adv, _) = expected
+    model = _fsdp_model("decoder", world)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    loss_fn = _generic_loss(adv)
+
+    def failing(i, lp):
+        if i == len(sequences) - 1:
+            raise ZeroDivisionError("boom")
+        return loss_fn(i, lp)
+
+    with pytest.raises(RuntimeError, match="ZeroDivisionError: boom"):
+        dta_fast.distributed_tree_backward(model, sequences, failing, max_chunk_tokens=4)
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), torch.full_like(p.full_tensor(), 0.25), rtol=0, atol=0)
+    dta_fast.distributed_tree_backward(model, sequences, loss_fn, max_chunk_tokens=4)
+    _assert_whole_gradient(model, exp_grads, 1e-10, already=0.25)
+
+
+def test_fsdp2_retry_after_a_failed_call(tmp_path):
+    expected = _expected("decoder", _batch(), True)
+    args = (2, str(tmp_path / "init"), _check_fsdp_after_a_failure, expected)
+    mp.spawn(_fsdp_worker, args=args, nprocs=2, join=True)
 
 
 def _check_fsdp_misuse(world):
