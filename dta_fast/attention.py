@@ -53,8 +53,8 @@ take 8 bytes per query-block, key-block pair); checking a ``subtree_end`` (what
 A query that sees a non-finite value row gets NaN where plain attention might
 give inf. A row's running maximum starts at -1e30, not -inf (a row may see no
 key of a block): a query whose every scaled score (scale * q.k, in float32)
-is below about -1e29 gets 0 and a wrong LSE. Under the Triton interpreter, Triton 3.6 needs the loop-bound fix
-below to run with NumPy 2.4.
+is below about -1e29 gets 0 and a wrong LSE. Under the Triton interpreter,
+Triton 3.6 needs the loop-bound fix below to run with NumPy 2.4.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dta_ref.attention import autocast_inputs
+from dta_ref.attention import autocast_inputs, check_scale
 from dta_ref.tree import nesting_depth
 
 from dta_fast import attention_hopper  # absolute: benchmarks load copies of this file as top-level modules
@@ -167,9 +167,10 @@ class TreeSchedule:
         # what the kernels assume of it; build_schedule also checks the tree (a host sync)
         end = self.subtree_end
         if not (isinstance(end, torch.Tensor) and end.dtype == torch.int32 and end.dim() == 2 and end.is_contiguous()):
+            got = f"{end.dtype} of shape {tuple(end.shape)}" if isinstance(end, torch.Tensor) else type(end).__name__
             raise ValueError(
-                "TreeSchedule.subtree_end must be a contiguous int32 [B, Tk] tensor: build schedules with "
-                f"build_schedule, got {getattr(end, 'dtype', type(end).__name__)} of shape {tuple(getattr(end, 'shape', ()))}"
+                f"TreeSchedule.subtree_end must be a contiguous int32 [B, Tk] tensor (build_schedule makes one), "
+                f"got {got}"
             )
         _check_num_queries(self.num_queries, end.shape[1])
 
@@ -1219,17 +1220,6 @@ def _check_inputs(q, k, v):
 SCALE_LIMIT = 1e38  # the kernels take scale * log2(e) as a float32
 
 
-def _check_scale(scale) -> None:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    try:
-        in_range = abs(float(scale)) <= SCALE_LIMIT  # False for NaN
-    except OverflowError:  # an int past float's range
-        in_range = False
-    if not in_range:
-        raise ValueError(f"scale must be finite and at most {SCALE_LIMIT:g} in size, got {scale}")
-
-
 def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSchedule | None = None, return_lse=False):
     """Tree attention: the query at key position i attends key j iff j <= i < subtree_end[j].
 
@@ -1265,9 +1255,7 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
     if schedule.subtree_end.device != q.device:
         raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
-    if scale is not None:
-        _check_scale(scale)
-    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    sm_scale = 1.0 / math.sqrt(D) if scale is None else check_scale(scale, SCALE_LIMIT)
     if sm_scale < 0:  # the kernels want a scale of at least 0 (_softmax_step): softmax(c q.k) = softmax(-c (-q).k)
         q, sm_scale = -q, -sm_scale
     if INTERPRET and q.dtype == torch.bfloat16:

@@ -75,7 +75,8 @@ class TreeGRPOConfig(GRPOConfig):
             _check_bytes(budget, "tree_memory_budget_bytes")
         if self.tree_checkpoint_layers is not None:
             if not isinstance(self.tree_checkpoint_layers, bool):
-                raise TypeError(f"tree_checkpoint_layers must be True, False or None, got {self.tree_checkpoint_layers!r}")
+                got = self.tree_checkpoint_layers
+                raise TypeError(f"tree_checkpoint_layers must be True, False or None, got {got!r}")
             if chunk is None and budget is None:
                 raise ValueError("tree_checkpoint_layers applies to chunks: set tree_max_chunk_tokens or "
                                  "tree_memory_budget_bytes too")  # fmt: skip

@@ -76,9 +76,10 @@ class ModelAdapter:
             elif _is_peft(core):
                 config = getattr(core, "active_peft_config", None)
                 if getattr(config, "is_prompt_learning", False):
+                    kind = getattr(config.peft_type, "value", config.peft_type)
                     raise TypeError(
-                        f"PEFT {getattr(config.peft_type, 'value', config.peft_type)} adds virtual tokens outside the model's modules, which a packed "
-                        "tree does not hold: adapters inside the modules (LoRA and the like) are supported"
+                        f"PEFT {kind} adds virtual tokens outside the model's modules, which a packed tree does not "
+                        "hold: adapters inside the modules (LoRA and the like) are supported"
                     )
                 core = core.get_base_model()
             else:

@@ -90,7 +90,7 @@ def attention(q, k, v, mask, scale=None):
     if not bool(mask.any(dim=-1).all()):
         raise ValueError("mask has a query row with no allowed key; softmax over it is undefined")
 
-    scale = 1.0 / math.sqrt(D) if scale is None else _check_scale(scale)
+    scale = 1.0 / math.sqrt(D) if scale is None else check_scale(scale)
     group = Hq // Hkv
     k = repeat(k, "b h t d -> b (h g) t d", g=group)
     v = repeat(v, "b h t d -> b (h g) t d", g=group)
@@ -101,12 +101,18 @@ def attention(q, k, v, mask, scale=None):
     return out.to(q.dtype)
 
 
-def _check_scale(scale) -> float:
+def check_scale(scale, limit: float = math.inf) -> float:
+    """``scale`` as a float, or a clear error: a real number, finite, at most ``limit`` in size."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:  # an int past float's range
+        value = math.inf
+    if not (math.isfinite(value) and abs(value) <= limit):
+        bound = "" if limit == math.inf else f" and at most {limit:g} in size"
+        raise ValueError(f"scale must be finite{bound}, got {scale}")
+    return value
 
 
 def _masked_matmul(a, b, mask):

@@ -23,6 +23,7 @@ import heapq
 import math
 import numbers
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -488,7 +489,7 @@ class RolloutCache:
         prompt = _as_token_list(prompt, 0)
         if isinstance(completion, torch.Tensor) and completion.dim() == 1 and not completion.dtype.is_floating_point:
             completion = completion.tolist()
-        if isinstance(completion, (str, bytes)) or not isinstance(completion, (list, tuple, np.ndarray)):
+        if isinstance(completion, (str, bytes)) or not isinstance(completion, (Sequence, np.ndarray)):
             raise TypeError(f"completion must be a list of token ids, got {type(completion).__name__}")
         try:
             completion = [] if len(completion) == 0 else _as_token_list(completion, 0)

@@ -232,9 +232,8 @@ class PrefixTree:
         computed (they are next-token predictions too) but never trained on.
         """
         prompt_lengths = torch.as_tensor(prompt_lengths, device=self.lengths.device)
-        if prompt_lengths.shape != (self.num_sequences,) or prompt_lengths.dtype.is_floating_point or (
-            prompt_lengths.dtype == torch.bool
-        ):
+        dtype = prompt_lengths.dtype
+        if prompt_lengths.shape != (self.num_sequences,) or dtype.is_floating_point or dtype == torch.bool:
             raise ValueError(
                 f"prompt_lengths must be {self.num_sequences} integers, one per rollout, got {tuple(prompt_lengths.shape)}"
             )
