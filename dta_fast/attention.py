@@ -69,10 +69,9 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dta_ref.attention import autocast_inputs, check_scale
+from dta_ref.attention import autocast_inputs, check_scale, refuse_create_graph
 from dta_ref.tree import nesting_depth
 
 from dta_fast import attention_hopper  # absolute: benchmarks load copies of this file as top-level modules
@@ -1173,8 +1172,8 @@ class TreeAttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @once_differentiable  # a second derivative would need its own kernels: refused, not silently dropped
     def backward(ctx, do, dlse):
+        refuse_create_graph("tree_attention")  # a second derivative would need kernels of its own
         if do is None:  # the output reached no loss
             return None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
@@ -1229,7 +1228,7 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
     from :func:`build_schedule` instead of ``subtree_end`` to reuse it across
     layers. Returns the output [B, Hq, Tq, D] (and the float32 natural-log
     LSE [B, Hq, Tq] with ``return_lse=True``, which carries no gradient).
-    Differentiable in q, k, v, once (a double backward raises). Under
+    Differentiable in q, k, v, once (``create_graph=True`` raises). Under
     autocast, q, k and v are first cast to its dtype, as SDPA's are.
     """
     q, k, v = autocast_inputs(q, k, v)

@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from dta_ref.adapter import adapt
+from dta_ref.attention import refuse_create_graph
 from dta_ref.logprobs import (
     LogprobsAndEntropy,
     check_logprob_mask,
@@ -120,8 +120,8 @@ class _HeadLogprobs(torch.autograd.Function):
         return torch.cat(picked), entropy[inverse] if with_entropy else lse.new_zeros(0)
 
     @staticmethod
-    @once_differentiable  # the backward works in place on recomputed logits: no graph to differentiate
     def backward(ctx, g_picked, g_entropy):
+        refuse_create_graph("the fused vocabulary head")  # it works in place on recomputed logits
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):  # as the forward ran
             return _HeadLogprobs._backward(ctx, g_picked, g_entropy)
 

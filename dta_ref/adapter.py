@@ -65,7 +65,10 @@ class ModelAdapter:
         self.model = model
         self.data_parallel = None  # the DDP wrapper whose call prepares gradient reduction
         core = model
+        self.wrappers = []  # the wrappers' class names, outermost first
         for _ in range(16):  # wrappers nest a few deep at most
+            if _is_compiled(core) or _is_data_parallel(core) or _is_peft(core):
+                self.wrappers.append(type(core).__name__)
             if _is_compiled(core):
                 core = core._orig_mod
             elif _is_data_parallel(core):
@@ -92,6 +95,16 @@ class ModelAdapter:
             check_hf_model(core)
         else:
             raise unsupported_model(model)
+
+    def __repr__(self) -> str:
+        """What dta sees: the causal LM inside its wrappers, its shape, and how its layers run."""
+        s = self.shape
+        inside = "".join(f" inside {name}" for name in reversed(self.wrappers))
+        return (
+            f"ModelAdapter({type(self.core).__name__}{inside}: {s.layers} layers, hidden {s.hidden}, "
+            f"{s.heads}/{s.kv_heads} heads of {s.head_dim}, vocabulary {self.vocab_size}, {self.dtype}, "
+            f"{self.checkpointed_layers} layers under its own activation checkpointing)"
+        )
 
     # ------------------------------------------------------------------ parts
 

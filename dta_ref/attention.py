@@ -11,7 +11,6 @@ import numbers
 
 import torch
 from einops import repeat
-from torch.autograd.function import once_differentiable
 
 from .tree import PrefixTree
 
@@ -36,6 +35,17 @@ def mask_from_subtree_end(subtree_end: torch.Tensor, query_positions: torch.Tens
     j = torch.arange(subtree_end.shape[-1], device=subtree_end.device)
     i = query_positions[:, None]
     return (j <= i) & (i < subtree_end[..., None, :])
+
+
+def refuse_create_graph(what: str) -> None:
+    """Call first in the backward of an autograd Function whose backward builds no graph: with
+    ``create_graph=True`` (grad mode on in the backward) its gradient would silently lack its
+    second-order part, so refuse instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} is differentiable once: its backward builds no graph, so create_graph=True (a second "
+            "derivative, a gradient penalty) is not supported"
+        )
 
 
 def autocast_inputs(q, k, v):
@@ -151,8 +161,8 @@ class _MaskedAttention(torch.autograd.Function):
         return _masked_matmul(probs, v, mask)
 
     @staticmethod
-    @once_differentiable  # the saved probs carry no graph: a second derivative through them would be wrong
     def backward(ctx, grad_out):
+        refuse_create_graph("dta_ref.attention")  # the saved probs carry no graph
         q, k, v, mask, probs = ctx.saved_tensors
         mask_t = mask.transpose(-1, -2)
         grad_v = _masked_matmul(probs.transpose(-1, -2), grad_out, mask_t)

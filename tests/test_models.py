@@ -236,6 +236,8 @@ def test_adapter_answers_for_every_wrapper():
         assert adapter.embedding is adapter.core.model.embed_tokens
         assert adapter.vocab_size == 64
         assert adapter.shape.layers == 2 and adapter.shape.kv_heads == 2 and adapter.shape.head_dim == 8
+        assert repr(adapter).startswith("ModelAdapter(Qwen2ForCausalLM inside PeftModel")
+        assert "4/2 heads of 8, vocabulary 64" in repr(adapter)
     assert dta_ref.adapt(adapter) is adapter
 
 

@@ -325,14 +325,15 @@ def test_empty_batch_with_gqa():
     assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
-def test_second_derivatives_are_refused_not_dropped():
-    """The backward has no graph of its own: differentiating it raises instead of giving a gradient
-    without its second-order part."""
+@pytest.mark.parametrize("loss", ["square", "linear"])
+def test_second_derivatives_are_refused_not_dropped(loss):
+    """The backward builds no graph: create_graph=True raises instead of giving a gradient without its
+    second-order part (for a loss linear in the output too, whose incoming gradient has no graph)."""
     q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 1, 6, 6, 16, torch.float32))
-    (g,) = torch.autograd.grad(tree_attention(q, k, v, torch.full((6,), 6, device=DEVICE)).pow(2).sum(), q,
-                               create_graph=True)  # fmt: skip
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.sum().backward()
+    out = tree_attention(q, k, v, torch.full((6,), 6, device=DEVICE))
+    objective = out.pow(2).sum() if loss == "square" else (out * torch.randn_like(out)).sum()
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(objective, q, create_graph=True)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 path")
