@@ -34,7 +34,7 @@ def _new_figure(**kwargs):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("dta_ref.draw_tree needs matplotlib: pip install "dta-prefix-tree[plot]"") from None
+        raise ImportError("dta_ref.draw_tree needs matplotlib: pip install 'dta-prefix-tree[plot]'") from None
     fig = Figure(**kwargs)
     FigureCanvasAgg(fig)
     return fig
