@@ -1117,13 +1117,14 @@ def tree_backward(
     return logprobs, total.to(dtype)
 
 
-def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes):
+def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, prefix: str = ""):
+    """The chunking options checked; ``prefix`` is how the caller names them (``tree_`` in TreeGRPOConfig)."""
     if max_chunk_tokens is not None and memory_budget_bytes is not None:
-        raise ValueError("give max_chunk_tokens or memory_budget_bytes, not both")
+        raise ValueError(f"give {prefix}max_chunk_tokens or {prefix}memory_budget_bytes, not both")
     if max_chunk_tokens is not None:
-        max_chunk_tokens = _check_chunk_tokens(max_chunk_tokens, "max_chunk_tokens")
+        max_chunk_tokens = _check_chunk_tokens(max_chunk_tokens, f"{prefix}max_chunk_tokens")
     if memory_budget_bytes is not None:
-        memory_budget_bytes = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
+        memory_budget_bytes = _check_bytes(memory_budget_bytes, f"{prefix}memory_budget_bytes")
     if memory_margin_bytes is not None:
         memory_margin_bytes = _check_bytes(memory_margin_bytes, "memory_margin_bytes", allow_zero=True)
         if max_chunk_tokens is not None or memory_budget_bytes is not None:

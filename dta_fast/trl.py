@@ -36,7 +36,7 @@ from trl.kernels import ChunkedLogProbFunction
 from dta_ref.padded import PaddedLayout
 
 from ._trainers import LinearizedLoss, block_logprobs_and_entropy
-from .engine import _check_bytes, _check_chunk_tokens, tree_backward
+from .engine import _checked_chunking, tree_backward
 from .tree import build_tree
 
 
@@ -66,13 +66,7 @@ class TreeGRPOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         # checked here rather than at the first training step, after a round of generation
-        chunk, budget = self.tree_max_chunk_tokens, self.tree_memory_budget_bytes
-        if chunk is not None and budget is not None:
-            raise ValueError("give tree_max_chunk_tokens or tree_memory_budget_bytes, not both")
-        if chunk is not None:
-            _check_chunk_tokens(chunk, "tree_max_chunk_tokens")
-        if budget is not None:
-            _check_bytes(budget, "tree_memory_budget_bytes")
+        chunk, budget, _ = _checked_chunking(self.tree_max_chunk_tokens, self.tree_memory_budget_bytes, None, "tree_")
         if self.tree_checkpoint_layers is not None:
             if not isinstance(self.tree_checkpoint_layers, bool):
                 got = self.tree_checkpoint_layers

@@ -336,6 +336,32 @@ def test_second_derivatives_are_refused_not_dropped(loss):
         torch.autograd.grad(objective, q, create_graph=True)
 
 
+def test_twins_under_autocast():
+    """Under bfloat16 autocast, as a model's RoPE leaves them: float32 q and k beside a bfloat16 v. Both
+    twins cast all three to bfloat16 (as SDPA's inputs are cast) and agree in output and gradients."""
+    from dta_ref import attention
+
+    end = subtree_end_from_depths(random_depths(24, np.random.default_rng(6))).to(DEVICE)
+    q, k, v = make_qkv(1, 2, 1, 24, 24, 16, torch.float32)
+    v = v.to(torch.bfloat16)
+    mask = dta_fast_mask(end, 24)
+
+    def run(fn):
+        inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = fn(*inputs)
+        out.float().pow(2).sum().backward()
+        return out, [x.grad for x in inputs]
+
+    out, grads = run(lambda q, k, v: tree_attention(q, k, v, end))
+    ref, ref_grads = run(lambda q, k, v: attention(q, k, v, mask))
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 path")
 def test_bfloat16_under_the_interpreter():
     """The Triton interpreter's bfloat16 dot is wrong by orders of magnitude; tree_attention runs its
