@@ -133,22 +133,27 @@ def phases(step, inputs, sampler: Sampler, cool: float, sustain: float) -> dict:
     return dict(full_clock=full_clock, sustained=sustained(step, inputs, sampler, cool, sustain))
 
 
-def tree_passes(q, k, v, do, schedule, sampler, cool, sustain) -> dict:
-    """Each pass of a tree call (``dta_fast.attention._forward`` and ``_backward``'s four) alone, sustained."""
+def pass_calls(q, k, v, do, schedule) -> dict:
+    """The passes of a tree call (``dta_fast.attention._forward`` and ``_backward``'s four) as calls
+    without arguments, on inputs made by running each once."""
     scale = q.shape[-1] ** -0.5
     with torch.no_grad():
         o, lse, v_finite = attention._forward(q, k, v, schedule, scale)
         delta, lse_bwd, do_finite, q_finite = attention._backward_preprocess(o, do, q, lse)
         k_finite = attention._finite_rows(k)[0]
-    passes = {
+    return {
         "forward": lambda: attention._forward(q, k, v, schedule, scale),
         "preprocess": lambda: attention._backward_preprocess(o, do, q, lse),
         "dkdv": lambda: attention._backward_dkdv(do_finite, q_finite, k, v_finite, lse_bwd, delta, schedule, scale),
         "k_copy": lambda: attention._finite_rows(k),
         "dq": lambda: attention._backward_dq(do, q, k_finite, v_finite, lse_bwd, delta, schedule, scale),
     }
+
+
+def tree_passes(q, k, v, do, schedule, sampler, cool, sustain) -> dict:
+    """Each pass of a tree call alone, sustained."""
     with torch.no_grad():
-        return {name: sustained(fn, (), sampler, cool, sustain) for name, fn in passes.items()}
+        return {name: sustained(fn, (), sampler, cool, sustain) for name, fn in pass_calls(q, k, v, do, schedule).items()}
 
 
 def bench_shape(shape, flex_compiled, sampler, cool, sustain, passes) -> dict:

@@ -86,3 +86,38 @@ def test_dq_reductions_walk_the_live_query_tiles():
         assert tiles == set(range(int(m_lo[n]), int(m_hi[n]))), n
     assert sorted(order.tolist()) == list(range(m_lo.numel()))
     assert (m_hi - m_lo)[order].diff().le(0).all()  # longest first
+
+
+def test_power_benchmark_times_the_passes_of_a_call():
+    """bench_power.py's passes, called as it times them, give the call's own output and gradients:
+    it times the library's passes with the arguments a call gives them."""
+    import bench_power
+
+    end = PrefixTree.from_sequences(grpo_batch(1, 30, 3, 17)).subtree_end.to(DEVICE)
+    schedule = dta_fast.build_schedule(end)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, end.numel(), 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    k_gqa, v_gqa = k[:, :2].detach().requires_grad_(), v[:, :2].detach().requires_grad_()
+    do = torch.randn(1, 4, end.numel(), 16, generator=g).to(DEVICE)
+    o = dta_fast.tree_attention(q, k_gqa, v_gqa, schedule=schedule)
+    o.backward(do)
+    calls = bench_power.pass_calls(q.detach(), k_gqa.detach(), v_gqa.detach(), do, schedule)
+    assert set(calls) == {"forward", "preprocess", "dkdv", "k_copy", "dq"}
+    assert torch.equal(calls["forward"]()[0], o.detach())
+    dk, dv = calls["dkdv"]()
+    assert torch.equal(dk, k_gqa.grad) and torch.equal(dv, v_gqa.grad)
+    assert torch.equal(calls["dq"](), q.grad)
+
+
+def test_power_benchmark_sample_window():
+    """bench_power.py's sampler window: the samples inside it, or the first after its start when it is
+    shorter than a sample; the clock-limit reasons seen, by name."""
+    import bench_power
+
+    sampler = bench_power.Sampler.__new__(bench_power.Sampler)  # no nvidia-smi: samples set by hand
+    sampler.samples = [(1.0, 1980.0, 120.0, 0x1), (2.0, 1700.0, 690.0, 0x4), (3.0, 1600.0, 700.0, 0x4)]
+    w = sampler.window(1.5, 3.0)
+    assert (w["samples"], w["mhz"], w["watts"], w["reasons"]) == (2, 1650.0, 695.0, ["power cap"])
+    assert sampler.window(2.2, 2.4)["mhz"] == 1600.0
+    assert sampler.window(0.0, 1.0)["reasons"] == ["idle"]
+    assert sampler.window(4.0, 5.0) == dict(samples=0)
