@@ -2,7 +2,8 @@
 
 Every rank passes the same full batch and the same ``loss_fn(i, logprobs_i)``
 (i is the global sequence index). Rank 0 partitions the batch and sends the
-plan to the others; each rank runs :func:`dta_fast.tree_backward` on its own shard, and
+plan to the others, with a hash of each sequence that the others check
+their batch against; each rank runs :func:`dta_fast.tree_backward` on its own shard, and
 the parameter gradients are summed over ranks, so every rank ends with the
 gradient of the whole batch's loss, the same as one process training the
 whole batch. A model wrapped with FSDP2 (``fully_shard``) is handled in
@@ -63,16 +64,33 @@ def _checked_shards(plan, num_sequences, world) -> list[list[int]]:
     return shards
 
 
+def _fingerprints(sequences) -> list[int]:
+    """A hash of each sequence's tokens: what a rank compares with rank 0's to learn that it was given
+    another batch (its own rollouts, another order), which rank 0's plan would split into wrong shards."""
+    return [hash(tuple(_as_token_list(seq, i))) for i, seq in enumerate(sequences)]
+
+
+def _check_same_batch(mine: list[int], rank0: list[int]) -> None:
+    """A clear error where this rank's batch is not rank 0's (``_fingerprints`` of each)."""
+    if len(mine) != len(rank0):
+        raise ValueError(f"this rank's batch has {len(mine)} sequences, rank 0's {len(rank0)}: every rank must "
+                         "pass the same full batch")  # fmt: skip
+    for i, (a, b) in enumerate(zip(mine, rank0)):
+        if a != b:
+            raise ValueError(f"sequence {i} differs from rank 0's: every rank must pass the same full batch")
+
+
 def _shared_plan(sequences, world, cost_model, plan, rank, group):
     """Rank 0 partitions (or checks the given plan) and sends it (or its error) to all, so ranks agree
-    and none waits forever."""
+    and none waits forever; with it, the fingerprints of its batch (``_check_same_batch``)."""
     message = [None]
     if rank == 0:
         try:
             if plan is None:
-                message[0] = ("ok", partition(sequences, world, cost_model).shards)
+                shards = partition(sequences, world, cost_model).shards
             else:
-                message[0] = ("ok", _checked_shards(plan, len(sequences), world))
+                shards = _checked_shards(plan, len(sequences), world)
+            message[0] = ("ok", (shards, _fingerprints(sequences)))
         except Exception as error:  # any: the other ranks are waiting in the broadcast below
             message[0] = (type(error).__name__, str(error))
     src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -154,10 +172,13 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shard = _shared_plan(sequences, world, cost_model, plan, rank, group)[rank]
+    shards, rank0_batch = _shared_plan(sequences, world, cost_model, plan, rank, group)
+    shard = shards[rank]
 
     def prepare():
-        """This rank's checks before any gradient collective: the module, its shard's tree and loss."""
+        """This rank's checks before any gradient collective: its batch, the module, its shard's tree and loss."""
+        if rank != 0:
+            _check_same_batch(_fingerprints(sequences), rank0_batch)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
         module, no_sync = _unwrap(model)

@@ -537,7 +537,19 @@ def _check_errors_agreed(rank, world):
 
         return sequences, loss_fn
 
+    def other_batch():  # rank 1 passes its own rollouts: one token differs
+        seqs = [list(s) for s in sequences]
+        if rank == 1:
+            seqs[3][-1] = (seqs[3][-1] + 1) % vocab
+        return seqs, good
+
+    def shorter_batch():  # rank 1 passes a batch without its last sequence
+        return (sequences if rank == 0 else sequences[:-1]), good
+
     cases = [
+        (other_batch, ValueError, r"rank 1: ValueError: sequence 3 differs from rank 0's: every rank must pass"),
+        (shorter_batch, ValueError, rf"rank 1: ValueError: this rank's batch has {len(sequences) - 1} sequences, "
+                                    rf"rank 0's {len(sequences)}"),  # fmt: skip
         (bad_token, ValueError, rf"rank 1: ValueError: token id {vocab + 7} is out of range"),
         (wrong_shape, ValueError, r"rank 1: ValueError: loss_fn was built for logprobs of shape"),
         (mask_past_end, ValueError, r"rank 1: ValueError: the loss mask is True at step"),
