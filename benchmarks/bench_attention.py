@@ -107,19 +107,27 @@ def write_results(out_dir, name: str, rows: list, harness: str, **meta) -> Path:
     return out
 
 
-def event_median(step, inputs, repeats=EVENT_REPEATS) -> float:
-    """Median ms of single calls timed with CUDA events, after three warm-up calls."""
-    times = []
-    for i in range(3 + repeats):
+def event_times(step, inputs, n: int, sync_each: bool = True) -> list[float]:
+    """ms of n calls, a CUDA event pair around each; each call waited for before the next
+    (``sync_each``), or all back to back as a trainer runs them."""
+    events = []
+    for _ in range(n):
         for x in inputs:
             x.grad = None
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         stop.record()
-        stop.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(stop))
+        if sync_each:
+            stop.synchronize()
+        events.append((start, stop))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in events]
+
+
+def event_median(step, inputs, repeats=EVENT_REPEATS) -> float:
+    """Median ms of single calls timed with CUDA events, after three warm-up calls."""
+    times = event_times(step, inputs, 3 + repeats)[3:]
     return sorted(times)[len(times) // 2]
 
 

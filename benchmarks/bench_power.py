@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from bench_attention import SHAPES, build_tree, fwd_bwd, rel_err, run_grads, write_results
+from bench_attention import SHAPES, build_tree, event_times, fwd_bwd, rel_err, run_grads, write_results
 from dta_fast import attention, build_schedule, tree_attention
 
 FULL_CLOCK_CALLS = 10
@@ -87,18 +87,8 @@ class Sampler:
 
 
 def timed_calls(step, inputs, n: int) -> list[float]:
-    """ms of n calls back to back, a CUDA event pair around each, no synchronize between them."""
-    events = []
-    for _ in range(n):
-        for x in inputs:
-            x.grad = None
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        events.append((start, stop))
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in events]
+    """ms of n calls back to back, a CUDA event pair around each."""
+    return event_times(step, inputs, n, sync_each=False)
 
 
 def median(xs):
