@@ -19,7 +19,10 @@ median of CUDA-event timings of single calls after warm-up; the table shows
 both. Every row is gated on correctness first: tree's output and gradients
 are compared with FlexAttention's in the same run; a red gate reports no
 speedup. TFLOP/s count useful work only: 4 flops per visible query-key pair
-and head dim forward, 10 backward (14 for forward + backward).
+and head dim forward, 10 backward (14 for forward + backward). do_bench's
+repetitions run long enough to meet the GPU's power cap, which lowers the
+clock more for some kernels than for others: bench_power.py times full
+clock and the cap apart.
 """
 
 from __future__ import annotations
