@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -53,6 +54,8 @@ class Sampler:
         # nvidia-smi numbers GPUs its own way (CUDA_VISIBLE_DEVICES does not apply): name this one by UUID
         gpu = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
         query = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+        if shutil.which("nvidia-smi") is None:
+            raise SystemExit("bench_power.py samples the clock and power with nvidia-smi, which is not on PATH")
         self.proc = subprocess.Popen(
             ["nvidia-smi", "-i", gpu, f"--query-gpu={query}", "--format=csv,noheader,nounits",
              "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True,
