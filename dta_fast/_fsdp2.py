@@ -170,7 +170,7 @@ def fsdp2_shard_backward(root, run_shard, group):
             handle.wait()
         try:
             result = run_shard(root)
-        except Exception:  # every rank fails here together (distributed.py agrees first): no reduction
+        except BaseException:  # every rank fails here together (distributed.py agrees first): no reduction
             _drop_unreduced(root)
             for module in (m for m in root.modules() if is_fsdp2(m)):
                 module.reshard()

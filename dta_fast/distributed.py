@@ -134,12 +134,19 @@ def _agree(error: BaseException | None, group) -> None:
 
 
 def _guarded(step, group):
-    """``step()`` on every rank, then agreement: its result, or the same error on every rank."""
+    """``step()`` on every rank, then agreement: its result, or the same error on every rank. A
+    KeyboardInterrupt or SystemExit stays itself on the rank that met it; the others raise the error
+    that names it, instead of waiting for that rank in a collective until the group's timeout."""
     try:
         result, error = step(), None
-    except Exception as caught:  # any failure: the other ranks must not wait on this one
+    except BaseException as caught:  # any failure: the other ranks must not wait on this one
         result, error = None, caught
-    _agree(error, group)
+    try:
+        _agree(error, group)
+    except Exception:
+        if error is not None and not isinstance(error, Exception):
+            raise error from None
+        raise
     return result
 
 
@@ -166,8 +173,8 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     An error on any rank (a bad token in its shard, a loss built for another
     shape, a failure while training) makes every rank raise the same
     ValueError/TypeError/RuntimeError naming the rank, before any gradient
-    is reduced; ``.grad`` is then as it was before the call (plain, DDP and
-    FSDP2 models).
+    is reduced (a KeyboardInterrupt or SystemExit stays itself on its rank);
+    ``.grad`` is then as it was before the call (plain, DDP and FSDP2 models).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
@@ -229,7 +236,7 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         p.grad = None
     try:
         local_loss, logprobs = _guarded(lambda: run_shard(module), group)
-    except Exception:
+    except BaseException:  # KeyboardInterrupt and SystemExit too (_guarded)
         for p, g in zip(params, kept):  # as before the call
             p.grad = g
         raise

@@ -411,9 +411,10 @@ def test_fsdp2_hf_model(tmp_path):
     _spawn_fsdp(tmp_path, 2, kind="qwen3", max_chunk_tokens=9)
 
 
-def _check_fsdp_after_a_failure(world, expected):
+def _check_fsdp_after_a_failure(world, expected, failure):
     """A call that fails on one rank (the others trained their whole shard) leaves no gradient behind for
-    the next call to reduce: the retry gives the whole batch's gradient, on top of what was there."""
+    the next call to reduce: the retry gives the whole batch's gradient, on top of what was there. A
+    SystemExit on rank 1 stays itself there; rank 0 raises the error that names it."""
     import dta_fast
 
     sequences = _batch()
@@ -424,11 +425,16 @@ def _check_fsdp_after_a_failure(world, expected):
     loss_fn = _generic_loss(adv)
 
     def failing(i, lp):
-        if i == len(sequences) - 1:
+        if failure == "exception" and i == len(sequences) - 1:
             raise ZeroDivisionError("boom")
+        if failure == "exit" and dist.get_rank() == 1:
+            raise SystemExit("preempted")
         return loss_fn(i, lp)
 
-    with pytest.raises(RuntimeError, match="ZeroDivisionError: boom"):
+    expected_error = (RuntimeError, "ZeroDivisionError: boom")
+    if failure == "exit":
+        expected_error = (SystemExit, "preempted") if dist.get_rank() == 1 else (RuntimeError, "rank 1: SystemExit")
+    with pytest.raises(expected_error[0], match=expected_error[1]):
         dta_fast.distributed_tree_backward(model, sequences, failing, max_chunk_tokens=4)
     for p in model.parameters():
         torch.testing.assert_close(p.grad.full_tensor(), torch.full_like(p.full_tensor(), 0.25), rtol=0, atol=0)
@@ -436,9 +442,10 @@ def _check_fsdp_after_a_failure(world, expected):
     _assert_whole_gradient(model, exp_grads, 1e-10, already=0.25)
 
 
-def test_fsdp2_retry_after_a_failed_call(tmp_path):
+@pytest.mark.parametrize("failure", ["exception", "exit"])
+def test_fsdp2_retry_after_a_failed_call(tmp_path, failure):
     expected = _expected("decoder", _batch(), True)
-    args = (2, str(tmp_path / "init"), _check_fsdp_after_a_failure, expected)
+    args = (2, str(tmp_path / "init"), _check_fsdp_after_a_failure, expected, failure)
     mp.spawn(_fsdp_worker, args=args, nprocs=2, join=True)
 
 
@@ -564,6 +571,20 @@ def _check_errors_agreed(rank, world):
         assert time.monotonic() - start < 20, f"{make.__name__}: the ranks took too long to agree"
         for p, g in zip(model.parameters(), before):  # .grad as before the call
             assert torch.equal(p.grad, g)
+    # a SystemExit (or KeyboardInterrupt) inside one rank's step stays itself there; the other rank is
+    # told, instead of waiting in a collective for the group's timeout
+    def exits(i, lp):
+        if i == shards[1][-1]:
+            raise SystemExit("preempted")
+        return lp.sum()
+
+    start = time.monotonic()
+    expected = (SystemExit, "preempted") if rank == 1 else (RuntimeError, r"rank 1: SystemExit: preempted")
+    with pytest.raises(expected[0], match=expected[1]):
+        dta_fast.distributed_tree_backward(model, sequences, exits, plan=shards, max_chunk_tokens=6)
+    assert time.monotonic() - start < 20, "the ranks took too long to agree"
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)
     # the collectives stayed paired: a good call afterwards works on every rank
     logprobs, loss, indices = dta_fast.distributed_tree_backward(model, sequences, good, plan=shards)
     assert indices == shards[rank] and torch.isfinite(loss)
