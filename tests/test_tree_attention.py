@@ -613,3 +613,35 @@ def test_gpu_prebuilt_schedule_path_never_syncs():
         out.backward(torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("layout", ["fused_qkv", "stride0_heads"])
+def test_model_layouts_equal_contiguous(layout):
+    """Views a model hands tree_attention: q, k, v sliced from one fused projection [B, T, (Hq + 2 Hkv) D]
+    (rows (Hq + 2 Hkv) D apart, a storage offset), or K and V one head expanded over the K/V heads
+    (stride 0). Outputs and gradients are bitwise those of the same values made contiguous (on a GPU
+    through the TMA descriptors and the Hopper kernels)."""
+    gpu = DEVICE == "cuda"
+    end = PrefixTree.from_sequences(grpo_batch(1, 300 if gpu else 12, 4, 200 if gpu else 7)).subtree_end.to(DEVICE)
+    T, Hq, Hkv, D = end.numel(), 8, 2, 128 if gpu else 16
+    dtype = torch.bfloat16 if gpu else torch.float32
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    if layout == "fused_qkv":
+        W = torch.randn(1, T, (Hq + 2 * Hkv) * D, generator=g, device=DEVICE, dtype=dtype)
+        q, k, v = (W[..., a * D : b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
+                   for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))  # fmt: skip
+    else:
+        q = torch.randn(1, Hq, T, D, generator=g, device=DEVICE, dtype=dtype)
+        k, v = (torch.randn(1, 1, T, D, generator=g, device=DEVICE, dtype=dtype).expand(1, Hkv, T, D) for _ in "kv")
+        assert k.stride(1) == 0
+    do = torch.randn(1, Hq, T, D, generator=g, device=DEVICE, dtype=dtype)
+    schedule = build_schedule(end)
+    results = []
+    for inputs in ((q, k, v), tuple(x.contiguous() for x in (q, k, v))):
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        out = tree_attention(*leaves, schedule=schedule)
+        out.backward(do)
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    assert not q.is_contiguous() or not k.is_contiguous()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(b).all() and torch.equal(a, b), name
