@@ -5,7 +5,7 @@
 A long run of tensor-core work draws the GPU to its power limit, and the driver then lowers the SM
 clock until it holds that limit. How far depends on the kernels: the more of the tensor cores a
 kernel keeps busy, the more power each clock costs and the lower the clock it settles at. A short
-timing after idle sees full clock; a trainer's step, minutes of work back to back, sees the capped
+timing after idle sees full clock; a training run, minutes of work back to back, sees the capped
 one. Per shape and method (forward + backward, bf16, the schedule and BlockMask built once outside),
 two phases, each after ``--cool`` seconds idle:
 
