@@ -26,6 +26,7 @@ Three parts, read in order:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, replace
@@ -888,6 +889,32 @@ class _ChunkPass:
 class _OpenChunk:
     layers: dict  # layer index -> _LayerKV
     graph: _ChunkPass | None = None  # kept from the forward when the plan says so
+    rng: "_RngState | None" = None  # where its forward began drawing, when it will be redone (dropout)
+
+
+class _RngState(NamedTuple):
+    """The random generators a model's forward draws from (dropout): the CPU's and those of the CUDA
+    devices its parameters are on."""
+
+    cpu: torch.Tensor
+    cuda: tuple  # (device, state) pairs
+
+    @classmethod
+    def now(cls, devices: tuple) -> "_RngState":
+        return cls(torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in devices))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for device, state in self.cuda:
+            torch.cuda.set_rng_state(state, device)
+
+    @contextlib.contextmanager
+    def replayed(self):
+        """The generators at this state inside, as they were outside after: a forward redone here draws
+        the dropout masks of the first (what torch.utils.checkpoint's preserve_rng_state does)."""
+        with torch.random.fork_rng(devices=[d for d, _ in self.cuda]):
+            self.restore()
+            yield
 
 
 class _Engine:
@@ -911,6 +938,10 @@ class _Engine:
         )
         self.out = out_logprobs
         self.open: dict[int, _OpenChunk] = {}
+        self.cuda_devices = tuple(sorted({p.device for p in model.parameters() if p.is_cuda}, key=str))
+
+    def rng_state(self) -> _RngState:
+        return _RngState.now(self.cuda_devices)
 
     def run(self, seed) -> None:
         """Forward and backward over the whole plan; ``seed(span, logprobs)`` is a chunk's loss."""
@@ -931,8 +962,8 @@ class _Engine:
                     del self.open[step.chunk]
 
     def forward(self, c: int) -> None:
-        chunk = self.open[c] = _OpenChunk({})
         keep = bool(self.plan.keeps_graph[c])
+        chunk = self.open[c] = _OpenChunk({}, rng=None if keep else self.rng_state())
         chunk_pass = self.run_chunk(c, grad=keep)
         self.record(c, chunk_pass)
         if keep:
@@ -941,7 +972,11 @@ class _Engine:
     def close(self, c: int, seed) -> None:
         """Backward of a chunk whose descendants have all closed."""
         chunk = self.open[c]
-        chunk_pass = chunk.graph if chunk.graph is not None else self.run_chunk(c, grad=True)
+        if chunk.graph is not None:
+            chunk_pass = chunk.graph
+        else:  # redone with its first forward's dropout masks: the K/V its descendants saw, the same graph
+            with chunk.rng.replayed():
+                chunk_pass = self.run_chunk(c, grad=True)
         chunk.graph = None
         # the hidden states with a zero gradient reach every layer even without loss terms, so the
         # K/V seeds of _AttendedKV always run
@@ -1155,8 +1190,10 @@ def _run_token_loss(engine: _Engine, loss_fn: TokenLoss) -> torch.Tensor:
 def _run_linearised_loss(engine: _Engine, loss_fn) -> torch.Tensor:
     """Two passes for any other loss: every logprob, then ``sum(g * logprobs)`` with g its gradient."""
     pairs = engine.pairs
+    start = engine.rng_state()
     engine.run_forward_only()
     total, g = _linearised_loss(loss_fn, engine.tree, engine.out)
+    start.restore()  # the second pass draws the first's dropout masks: g is the gradient at its forward
 
     def seed(span, chunk_logprobs):
         return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()

@@ -695,3 +695,45 @@ def test_frozen_model_scores_without_backward():
     torch.testing.assert_close(lp, flat, rtol=0, atol=1e-12)
     torch.testing.assert_close(loss, dta_ref.sft_loss(flat, tree.logprob_mask), rtol=1e-12, atol=1e-14)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _lora_with_dropout(p=0.3):
+    """A tiny Qwen2 with PEFT LoRA whose dropout (p) is active: training mode."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=p,
+                             init_lora_weights=False)  # fmt: skip
+    model = peft.get_peft_model(tiny_hf_model("qwen2", torch.float64, "eager", seed=3), config)
+    return model.train()
+
+
+def _dropout_step(loss_fn, tree, seed, **options):
+    model = _lora_with_dropout()
+    torch.manual_seed(seed)
+    logprobs, loss = dta_fast.tree_backward(model, tree, loss_fn, **options)
+    return logprobs, loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_dropout_masks_replayed_when_a_chunk_is_redone():
+    """With dropout active, a chunk redone at its close (recompute) draws its first forward's masks, and
+    the generators go on as if it had run once: logprobs and gradients bitwise those of keeping every
+    graph (the same chunks). A generic loss's two passes draw the same masks too: the gradient is that
+    of the logprobs it returns (bitwise the one-pass TokenLoss's)."""
+    tree = PrefixTree.from_sequences(grpo_batch(1, 24, 4, 10, vocab_size=64))
+    size = 8
+    a, b = plan_chunks(tree, size, True), plan_chunks(tree, size, False)
+    assert list(a.start) == list(b.start) and list(a.stop) == list(b.stop)  # the same chunks: the same draws
+    assert not a.keeps_graph.all()  # and some are redone
+    loss = SFTLoss(tree.logprob_mask)
+    redone = _dropout_step(loss, tree, 1, max_chunk_tokens=size, recompute=True)
+    kept = _dropout_step(loss, tree, 1, max_chunk_tokens=size, recompute=False)
+    assert torch.equal(redone[0], kept[0]) and torch.equal(redone[1], kept[1])
+    assert all(torch.equal(redone[2][n], kept[2][n]) for n in kept[2])
+    assert not torch.equal(redone[0], _dropout_step(loss, tree, 2, max_chunk_tokens=size)[0])  # dropout draws
+
+    from dta_fast._trainers import LinearizedLoss
+
+    weights = torch.randn(tree.num_sequences, tree.max_length - 1, dtype=torch.float64) * tree.logprob_mask
+    one_pass = _dropout_step(LinearizedLoss(weights), tree, 1, max_chunk_tokens=size)
+    two_passes = _dropout_step(lambda i, lp: (weights[i, : lp.numel()] * lp).sum(), tree, 1, max_chunk_tokens=size)
+    assert torch.equal(one_pass[0], two_passes[0])
+    assert_grads_close(two_passes[2], one_pass[2], rel=1e-12)
