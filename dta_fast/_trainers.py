@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from dta_ref.adapter import adapt
 from dta_ref.logprobs import _packed_hidden as reference_packed_hidden
 from dta_ref.logprobs import check_temperature
@@ -43,3 +45,12 @@ class LinearizedLoss(TokenLoss):
 
     def _term(self, seq, step, logprobs):
         return logprobs
+
+
+def dropout_in(model) -> str | None:
+    """The name and rate of the first dropout module of ``model`` that drops anything (p > 0), or None:
+    passes that must draw the same masks cannot when they run different forwards."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return f"{name or type(module).__name__} (p={module.p})"
+    return None

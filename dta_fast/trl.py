@@ -35,7 +35,7 @@ from trl.kernels import ChunkedLogProbFunction
 
 from dta_ref.padded import PaddedLayout
 
-from ._trainers import LinearizedLoss, block_logprobs_and_entropy
+from ._trainers import LinearizedLoss, block_logprobs_and_entropy, dropout_in
 from .engine import _checked_chunking, tree_backward
 from .tree import build_tree
 
@@ -94,6 +94,17 @@ class TreeGRPOTrainer(GRPOTrainer):
         "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
         "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
     )  # fmt: skip
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        dropout = dropout_in(self.model) if self._chunking is not None else None
+        if dropout is not None:
+            raise ValueError(
+                "tree_memory_budget_bytes / tree_max_chunk_tokens score GRPO's loss in one pass and train in "
+                f"another, whose dropout masks would differ from the first's (dropout in {dropout}): the "
+                "gradient would not be GRPO's. Set the dropout to 0 (LoraConfig(lora_dropout=0.0)) or leave "
+                "the tree_ chunking options unset (one packed forward, GRPO's own gradient)"
+            )
 
     @property
     def _chunking(self) -> dict | None:

@@ -176,3 +176,22 @@ def test_memory_budget_refuses_an_entropy_bonus(tmp_path):
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     with pytest.raises(ValueError, match="entropy bonus"):
         train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path, model, None, tree_max_chunk_tokens=8, entropy_coef=0.01)
+
+
+def test_chunked_training_refuses_dropout(tmp_path):
+    """The chunked path scores GRPO's loss in one forward and trains in another: with dropout their
+    masks would differ, so it refuses at construction; the packed path (one forward, its loss and
+    gradient on the same masks) trains."""
+    from peft import LoraConfig
+
+    def model():
+        m = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+        m.config.pad_token_id, m.config.eos_token_id = 0, 1
+        return m
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"dropout in .*lora_dropout.* \(p=0.1\).*lora_dropout=0.0"):
+        train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", model(), peft, tree_max_chunk_tokens=8,
+              max_steps=1)  # fmt: skip
+    logs, _, updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "packed", model(), peft, max_steps=1)
+    assert len(logs) == 1 and any(u.norm() > 0 for u in updates.values())
