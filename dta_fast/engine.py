@@ -1072,6 +1072,7 @@ def tree_backward(
     checkpoint_layers: bool | None = None,
     attention_impl: str = "auto",
     temperature: float = 1.0,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ):
     """Forward and backward over the whole forest, depth-first in chunks; gradients added to ``.grad``.
 
@@ -1108,6 +1109,10 @@ def tree_backward(
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
     ``temperature``: the logprobs are those of ``logits / temperature``, as
     an RL trainer scores its samples at the sampling temperature.
+    ``grad_scaler``: float16 mixed precision's ``torch.amp.GradScaler``. The
+    backward runs on its scaled loss, as ``scaler.scale(loss).backward()``
+    would, so ``scaler.step(optimizer)`` unscales the gradients as usual
+    (without it they would arrive unscaled and be divided by the scale).
 
     Exact under gradient checkpointing of the model's layers (reentrant or
     not). Returns ``(logprobs, loss)``: detached per-sequence logprobs
@@ -1131,6 +1136,8 @@ def tree_backward(
     if attention_impl not in ("auto", "kernel", "reference"):
         raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
     temperature = check_temperature(temperature)
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
 
     device = adapter.device
     plan = _choose_plan(
@@ -1142,10 +1149,11 @@ def tree_backward(
     dtype = logprob_dtype(adapter.dtype)
     logprobs = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=dtype, device=device)
     engine = _Engine(model, tree, plan, attention_impl, logprobs, temperature)
+    scaled = _unscaled if grad_scaler is None else grad_scaler.scale  # what the backward runs on
     if isinstance(loss_fn, TokenLoss):
-        total = _run_token_loss(engine, loss_fn)
+        total = _run_token_loss(engine, loss_fn, scaled)
     else:
-        total = _run_linearised_loss(engine, loss_fn)
+        total = _run_linearised_loss(engine, loss_fn, scaled)
     for p in model.parameters():  # like loss.backward() on a loss that touches every parameter
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -1170,8 +1178,12 @@ def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
     return max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
 
 
-def _run_token_loss(engine: _Engine, loss_fn: TokenLoss) -> torch.Tensor:
-    """One pass: each chunk backpropagates its own tokens' terms. Returns the total (float64)."""
+def _unscaled(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
+def _run_token_loss(engine: _Engine, loss_fn: TokenLoss, scaled=_unscaled) -> torch.Tensor:
+    """One pass: each chunk backpropagates its own tokens' terms (``scaled``). Returns the total (float64)."""
     out, pairs = engine.out, engine.pairs
     if loss_fn.shape != tuple(out.shape):
         raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {tuple(out.shape)}")
@@ -1181,18 +1193,19 @@ def _run_token_loss(engine: _Engine, loss_fn: TokenLoss) -> torch.Tensor:
     def seed(span, chunk_logprobs):
         terms = token_loss.terms(pairs.seq[span], pairs.step[span], chunk_logprobs).sum()
         totals.append(terms.detach().double())
-        return terms
+        return scaled(terms)
 
     engine.run(seed)
     return torch.stack(totals).sum() if totals else torch.zeros((), dtype=torch.float64, device=out.device)
 
 
-def _run_linearised_loss(engine: _Engine, loss_fn) -> torch.Tensor:
-    """Two passes for any other loss: every logprob, then ``sum(g * logprobs)`` with g its gradient."""
+def _run_linearised_loss(engine: _Engine, loss_fn, scaled=_unscaled) -> torch.Tensor:
+    """Two passes for any other loss: every logprob, then ``sum(g * logprobs)`` with g the gradient of
+    ``scaled(total)``."""
     pairs = engine.pairs
     start = engine.rng_state()
     engine.run_forward_only()
-    total, g = _linearised_loss(loss_fn, engine.tree, engine.out)
+    total, g = _linearised_loss(loss_fn, engine.tree, engine.out, scaled)
     start.restore()  # the second pass draws the first's dropout masks: g is the gradient at its forward
 
     def seed(span, chunk_logprobs):
@@ -1202,8 +1215,8 @@ def _run_linearised_loss(engine: _Engine, loss_fn) -> torch.Tensor:
     return total
 
 
-def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor):
-    """The total of a generic ``loss_fn`` and g = d total / d logprobs [N, Lmax-1].
+def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled=_unscaled):
+    """The total of a generic ``loss_fn`` and g = d scaled(total) / d logprobs [N, Lmax-1].
 
     Every term is evaluated on a leaf copy of its logprobs and the total gets
     one ``backward``: it gives g, and any part of a term that depends on
@@ -1225,7 +1238,7 @@ def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor):
     differentiable = [t for t in terms if t.requires_grad]
     if differentiable:
         with torch.autocast(logprobs.device.type, enabled=False):  # as above: not under a caller's autocast
-            torch.autograd.backward(differentiable)
+            torch.autograd.backward([scaled(t) for t in differentiable])
     g = torch.zeros_like(logprobs)
     for i, lp_i in enumerate(leaves):
         if lp_i.grad is not None:

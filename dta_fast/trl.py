@@ -181,5 +181,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         weights = layout.to_tree(grad.double(), input_ids.size(1) - completion_ids.size(1))
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
-            tree_backward(unwrapped, tree, LinearizedLoss(weights), temperature=self.temperature, **chunking)
+            # float16's loss scaling: GRPOTrainer scales the loss it backpropagates; this backward runs here
+            tree_backward(unwrapped, tree, LinearizedLoss(weights), temperature=self.temperature,
+                          grad_scaler=self.accelerator.scaler, **chunking)  # fmt: skip
         return loss  # depends on the leaf only: the trainer's backward of it leaves the parameters alone

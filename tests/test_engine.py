@@ -739,3 +739,38 @@ def test_dropout_masks_replayed_when_a_chunk_is_redone():
     two_passes = _dropout_step(lambda i, lp: (weights[i, : lp.numel()] * lp).sum(), tree, 1, max_chunk_tokens=size)
     assert torch.equal(one_pass[0], two_passes[0])
     assert_grads_close(two_passes[2], one_pass[2], rel=1e-12 if DEVICE == "cpu" else 1e-5)
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["token_loss", "generic_loss"])
+def test_grad_scaler_scales_the_backward(generic):
+    """float16 mixed precision's GradScaler: the backward runs on the scaled loss, as
+    scaler.scale(loss).backward() would, so the gradients are plain training's times the scale and
+    scaler.step applies plain training's step; the returned loss is unscaled."""
+    from dta_fast._trainers import LinearizedLoss
+
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    weights = torch.randn(tree.num_sequences, tree.max_length - 1, generator=torch.Generator().manual_seed(0))
+    weights = weights * tree.logprob_mask
+    model = tiny_decoder(torch.float32)
+    flat_model = copy.deepcopy(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, flat_model)]
+
+    flat_loss = (dta_ref.flat_logprobs(flat_model, seqs) * weights).sum()
+    scalers[1].scale(flat_loss).backward()
+    if generic:
+        loss_fn = lambda i, lp: (weights[i, : lp.numel()] * lp).sum()  # noqa: E731
+    else:
+        loss_fn = LinearizedLoss(weights)
+    _, loss = dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=5, grad_scaler=scalers[0])
+    torch.testing.assert_close(loss, flat_loss.detach(), rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads_of(model), grads_of(flat_model), rel=1e-4)
+    assert max(p.grad.abs().max() for p in flat_model.parameters()) > 100  # scaled: 2**10 times the gradient
+    for scaler, optimizer in zip(scalers, optimizers):
+        scaler.step(optimizer)
+        scaler.update()
+    for p, q in zip(model.parameters(), flat_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        dta_fast.tree_backward(model, tree, loss_fn, grad_scaler=1024.0)

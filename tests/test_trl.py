@@ -65,7 +65,7 @@ def config(cls, tmp_path, **overrides):
     return cls(**options)
 
 
-def train(trainer_cls, config_cls, tmp_path, model, peft_config=None, **overrides):
+def train(trainer_cls, config_cls, tmp_path, model, peft_config=None, loss_scale=None, **overrides):
     torch.manual_seed(0)
     trainer = trainer_cls(
         model=model,
@@ -75,6 +75,8 @@ def train(trainer_cls, config_cls, tmp_path, model, peft_config=None, **override
         processing_class=word_tokenizer(),
         peft_config=peft_config,
     )
+    if loss_scale is not None:  # float16 training's GradScaler, which Accelerate makes on GPUs only
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=1)
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     initial = {n: p.detach().clone() for n, p in trainable.items()}
     trainer.train()
@@ -101,6 +103,11 @@ CASES = {
     "chunked-grad-ckpt": dict(tree_max_chunk_tokens=8, gradient_checkpointing=True),
     "memory-budget": dict(tree_memory_budget_bytes=4 * 2**30),
     "chunked-checkpointed-layers": dict(tree_max_chunk_tokens=8, tree_checkpoint_layers=True),
+    # float16 training's loss scaling (a GradScaler, forced on the CPU): the chunked backward runs inside
+    # _compute_loss, so it must scale what it backpropagates as GRPOTrainer's backward does. No clipping:
+    # without float16 Accelerate would clip the scaled gradients to norm 1, whatever their scale
+    "chunked-grad-scaler": dict(tree_max_chunk_tokens=8, loss_scale=2.0**12, max_grad_norm=0.0),
+    "grad-scaler": dict(loss_scale=2.0**12, max_grad_norm=0.0),
 }
 
 
