@@ -108,6 +108,8 @@ CASES = {
     # without float16 Accelerate would clip the scaled gradients to norm 1, whatever their scale
     "chunked-grad-scaler": dict(tree_max_chunk_tokens=8, loss_scale=2.0**12, max_grad_norm=0.0),
     "grad-scaler": dict(loss_scale=2.0**12, max_grad_norm=0.0),
+    "grad-accum": dict(gradient_accumulation_steps=2, max_grad_norm=0.0),
+    "chunked-grad-accum": dict(tree_max_chunk_tokens=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
 }
 
 
