@@ -1179,10 +1179,11 @@ def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
 
 
 def _unscaled(loss: torch.Tensor) -> torch.Tensor:
+    """What the backward runs on without a GradScaler: the loss itself."""
     return loss
 
 
-def _run_token_loss(engine: _Engine, loss_fn: TokenLoss, scaled=_unscaled) -> torch.Tensor:
+def _run_token_loss(engine: _Engine, loss_fn: TokenLoss, scaled) -> torch.Tensor:
     """One pass: each chunk backpropagates its own tokens' terms (``scaled``). Returns the total (float64)."""
     out, pairs = engine.out, engine.pairs
     if loss_fn.shape != tuple(out.shape):
@@ -1199,7 +1200,7 @@ def _run_token_loss(engine: _Engine, loss_fn: TokenLoss, scaled=_unscaled) -> to
     return torch.stack(totals).sum() if totals else torch.zeros((), dtype=torch.float64, device=out.device)
 
 
-def _run_linearised_loss(engine: _Engine, loss_fn, scaled=_unscaled) -> torch.Tensor:
+def _run_linearised_loss(engine: _Engine, loss_fn, scaled) -> torch.Tensor:
     """Two passes for any other loss: every logprob, then ``sum(g * logprobs)`` with g the gradient of
     ``scaled(total)``."""
     pairs = engine.pairs
@@ -1215,7 +1216,7 @@ def _run_linearised_loss(engine: _Engine, loss_fn, scaled=_unscaled) -> torch.Te
     return total
 
 
-def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled=_unscaled):
+def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled):
     """The total of a generic ``loss_fn`` and g = d scaled(total) / d logprobs [N, Lmax-1].
 
     Every term is evaluated on a leaf copy of its logprobs and the total gets
