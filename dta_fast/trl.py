@@ -26,7 +26,9 @@ own loss gives d loss / d logprob, and the chunked pass backpropagates
 
 from __future__ import annotations
 
+import functools
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -79,11 +81,14 @@ class TreeGRPOConfig(GRPOConfig):
 VOCAB_CHUNK = 32768  # vocabulary columns per tile of TRL's fused head
 
 
-def trl_vocab_head(hidden_rows, weight, targets, temperature):
-    """(logprob, entropy) of each row through TRL's own fused head: GRPOTrainer's numerics, no [rows, V] logits."""
-    logprobs, entropy, *_ = ChunkedLogProbFunction.apply(
-        hidden_rows, weight, None, targets, temperature, VOCAB_CHUNK, None, 1.0, ("entropy",)
-    )
+def trl_vocab_head(hidden_rows, weight, targets, temperature, float32=False):
+    """(logprob, entropy) of each row through TRL's own fused head: GRPOTrainer's numerics, no [rows, V] logits.
+    ``float32``: GRPOConfig's cast_lm_head_to_fp32, the projection in float32 outside autocast, as TRL's head."""
+    with torch.autocast(hidden_rows.device.type, enabled=False) if float32 else nullcontext():
+        logprobs, entropy, *_ = ChunkedLogProbFunction.apply(
+            hidden_rows.float() if float32 else hidden_rows, weight, None, targets, temperature, VOCAB_CHUNK, None,
+            1.0, ("entropy",),
+        )  # fmt: skip
     return logprobs, entropy
 
 
@@ -136,12 +141,13 @@ class TreeGRPOTrainer(GRPOTrainer):
             )  # fmt: skip
         batch_size = batch_size or input_ids.size(0)
         first = input_ids.size(1) - logits_to_keep  # the completion block's first column
+        head = functools.partial(trl_vocab_head, float32=self.args.cast_lm_head_to_fp32)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
                 lp, ent, tree = block_logprobs_and_entropy(
-                    model, input_ids[rows], attention_mask[rows], first, self.temperature, trl_vocab_head
+                    model, input_ids[rows], attention_mask[rows], first, self.temperature, head
                 )
             self._log_compression(tree)
             logps.append(lp)
@@ -150,7 +156,8 @@ class TreeGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         chunking = self._chunking
-        if chunking is None:
+        # evaluation (prediction_step, under no_grad) only scores: GRPOTrainer's loss on the packed logprobs
+        if chunking is None or not torch.is_grad_enabled():
             return super()._compute_loss(model, inputs)
         if self._entropy_bonus_enabled:
             raise ValueError(

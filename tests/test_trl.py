@@ -110,6 +110,12 @@ CASES = {
     "grad-scaler": dict(loss_scale=2.0**12, max_grad_norm=0.0),
     "grad-accum": dict(gradient_accumulation_steps=2, max_grad_norm=0.0),
     "chunked-grad-accum": dict(tree_max_chunk_tokens=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
+    # loss variants: every one is GRPOTrainer's own code on the tree's logprobs (and entropies)
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
+    "chunked-two-sided-clip": dict(tree_max_chunk_tokens=8, epsilon=0.05, epsilon_high=0.1, delta=1.02,
+                                   num_iterations=2),  # fmt: skip
+    "dr-grpo-top-entropy": dict(loss_type="dr_grpo", top_entropy_quantile=0.5, mask_truncated_completions=True,
+                                max_completion_length=12, beta=0.05),  # fmt: skip
 }
 
 
@@ -161,6 +167,67 @@ def test_tree_grpo_trainer_under_bf16_autocast(chunking, tmp_path):
     assert tree_loss == pytest.approx(base_loss, rel=1e-3, abs=1e-5)
     base_error, error = (base - exact).norm() / exact.norm(), (tree - exact).norm() / exact.norm()
     assert 0 < base_error < 0.1 and error <= 1.5 * base_error, (float(base_error), float(error))
+
+
+@pytest.mark.parametrize("chunking", [{}, {"tree_max_chunk_tokens": 8}], ids=["packed", "chunked"])
+def test_tree_grpo_trainer_evaluates(chunking, tmp_path):
+    """evaluate() (GRPOTrainer's prediction_step: its loss under no_grad) gives GRPOTrainer's eval loss
+    and leaves the parameters and their gradients alone, with the chunked options too."""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+
+    def evaluate(trainer_cls, config_cls, name, **options):
+        torch.manual_seed(0)
+        trainer = trainer_cls(model=str(tmp_path / "model"), reward_funcs=reward_small_ids,
+                              args=config(config_cls, tmp_path / name, per_device_eval_batch_size=8, **options),
+                              train_dataset=prompts(), eval_dataset=prompts(), processing_class=word_tokenizer())  # fmt: skip
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        metrics = trainer.evaluate()
+        for n, p in trainer.model.named_parameters():
+            assert torch.equal(p, before[n]) and p.grad is None, n
+        return metrics
+
+    base = evaluate(GRPOTrainer, GRPOConfig, "base")
+    tree = evaluate(TreeGRPOTrainer, TreeGRPOConfig, "tree", **chunking)
+    assert tree["eval_loss"] == pytest.approx(base["eval_loss"], rel=1e-5, abs=1e-6)
+    assert tree["eval_reward"] == base["eval_reward"]  # the same generations were scored
+
+
+def test_tree_grpo_trainer_casts_the_head_to_float32(tmp_path):
+    """cast_lm_head_to_fp32 under bf16 autocast: the vocabulary projection in float32, as GRPOTrainer's
+    fused head runs it. A model with no decoder layer makes the hidden states the same in both paths, so
+    the logprobs and entropies are bitwise GRPOTrainer's, with the option and without."""
+    import transformers
+
+    config_ = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3).config
+    config_.num_hidden_layers, config_.layer_types = 0, []
+    config_.pad_token_id, config_.eos_token_id = 0, 1
+    transformers.Qwen2ForCausalLM(config_).save_pretrained(tmp_path / "model")
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 61, (8, 12), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:2, :3] = 0  # left-padded prompts, a right-padded completion
+    attention_mask[3, -2:] = 0
+
+    def score(trainer_cls, config_cls, cast):
+        torch.manual_seed(0)
+        trainer = trainer_cls(model=str(tmp_path / "model"), reward_funcs=reward_small_ids,
+                              args=config(config_cls, tmp_path / "out", bf16=True, cast_lm_head_to_fp32=cast),
+                              train_dataset=prompts(), processing_class=word_tokenizer())  # fmt: skip
+        with torch.no_grad():
+            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, 6, compute_entropy=True
+            )
+        valid = attention_mask[:, -6:].bool()
+        return logps[valid], entropies[valid]
+
+    scores = {}
+    for cast in (False, True):
+        scores[cast] = score(TreeGRPOTrainer, TreeGRPOConfig, cast)
+        for got, want in zip(scores[cast], score(GRPOTrainer, GRPOConfig, cast)):
+            assert torch.equal(got, want), (cast, float((got - want).abs().max()))
+    assert not torch.equal(scores[True][0], scores[False][0])  # the option changes the numbers
 
 
 @pytest.mark.gpu
