@@ -50,6 +50,7 @@ from .attention import build_schedule, tree_attention
 
 
 ALIGN = 16
+FIRST_NEW_TOKENS = 256  # generated tokens the KV buffers first hold room for; they double past it
 
 
 def _use_kernel(device: torch.device) -> bool:
@@ -63,10 +64,12 @@ def _round_up(n: int, multiple: int) -> int:
 class _KVEngine:
     """Per-layer KV buffers of the unfinished sequences and one batched verify forward per step."""
 
-    def __init__(self, model, prompts: list[list[int]], capacity: int):
+    def __init__(self, model, prompts: list[list[int]], capacity: int, most: int):
         self.adapter = adapt(model)
         self.head, self.device = self.adapter.head, self.adapter.device
-        self.capacity = capacity  # buffer length per row
+        # buffer length per row: grown (doubled, at most ``most``) when a step's window needs more, so
+        # the buffers follow the completions' lengths, not max_new_tokens
+        self.capacity, self.most = min(capacity, most), most
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, capacity, D]
         self.values: dict[int, torch.Tensor] = {}
         self.lengths = [0] * len(prompts)  # cached tokens per row
@@ -78,6 +81,16 @@ class _KVEngine:
             self.keys[layer] = k.new_zeros(B, H, self.capacity, D)  # zeros: unused slots are read, masked
             self.values[layer] = k.new_zeros(B, H, self.capacity, D)
         return self.keys[layer], self.values[layer]
+
+    def _grow(self, window: int) -> None:
+        if window > self.most:
+            raise RuntimeError(f"KV window of {window} tokens past the most a run needs, {self.most}")
+        self.capacity = min(max(window, 2 * self.capacity), self.most)
+        cached = max(self.lengths)  # every row's tokens past this are unused (zeros, masked)
+        for buffers in (self.keys, self.values):
+            for layer, old in buffers.items():
+                buffers[layer] = old.new_zeros(*old.shape[:2], self.capacity, old.shape[3])
+                buffers[layer][:, :, :cached] = old[:, :, :cached]
 
     def verify(self, drafts: list[DraftTree], uniforms, params):
         """One forward over each row's pending tokens + draft tree; the draws at each row's decision points.
@@ -96,7 +109,7 @@ class _KVEngine:
         Tq = Tq if Tq == 1 else _round_up(Tq, align)
         W = _round_up(max(self.lengths) + Tq, align)
         if W > self.capacity:
-            raise RuntimeError(f"KV buffer of {self.capacity} tokens is too short for a window of {W}")
+            self._grow(W)
         ids = np.zeros((B, Tq), dtype=np.int64)
         pos = np.zeros((B, Tq), dtype=np.int64)
         ends = np.arange(1, W + 1, dtype=np.int64)[None].repeat(B, 0)  # [B, W]: unused keys seen by nobody
@@ -174,7 +187,10 @@ def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draf
     adapter = adapt(model)
     run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens, adapter.vocab_size)
     longest = max(map(len, prompts))
-    engine = _KVEngine(model, prompts, longest + max_new_tokens + max(longest, max_draft_tokens + 1) + 2 * ALIGN)
+    # a step's window: the cached tokens, then the pending ones (a whole prompt first) and a draft, which
+    # never runs past the tokens left to generate
+    most = _round_up(longest + max_new_tokens + max(longest, min(max_draft_tokens, max_new_tokens) + 1), ALIGN)
+    engine = _KVEngine(model, prompts, _round_up(longest + FIRST_NEW_TOKENS, ALIGN), most + 2 * ALIGN)
     active = run.active()
     while active:
         drafts = run.drafts(active)

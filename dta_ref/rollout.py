@@ -80,7 +80,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # a completion ends at any of them
 
     @property
     def greedy(self) -> bool:
@@ -124,13 +124,38 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
             raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    eos_token_id = _check_int("eos_token_id", eos_token_id, 0, allow_none=True)
-    if eos_token_id is not None:
-        adapt(model).check_token_ids(torch.tensor([eos_token_id]))
+    eos_token_ids = _check_eos(model, eos_token_id)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    params = SamplingParams(float(temperature), top_k, None if top_p is None else float(top_p), eos_token_id)
+    params = SamplingParams(float(temperature), top_k, None if top_p is None else float(top_p), eos_token_ids)
     return prompts, params
+
+
+def _check_eos(model, eos_token_id) -> frozenset[int]:
+    """An int, a list of ints (chat models often end turns with several, as Hugging Face's
+    generation_config.eos_token_id lists them) or None."""
+    if isinstance(eos_token_id, (list, tuple, set, frozenset)) and eos_token_id:
+        ids = [_check_int("eos_token_id", e, 0) for e in eos_token_id]
+    else:
+        if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+            raise ValueError("eos_token_id is an empty list: pass None for no end-of-sequence token")
+        if eos_token_id is None:
+            return frozenset()
+        if not isinstance(eos_token_id, (numbers.Integral, bool)):
+            raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}")
+        ids = [_check_int("eos_token_id", eos_token_id, 0)]
+    adapt(model).check_token_ids(torch.tensor(ids))
+    return frozenset(ids)
+
+
+def refuse_nonfinite_draws(logprobs: list[float], rows: list[int]) -> None:
+    """A NaN logprob marks a draw from logits that were not finite (``draw``): an error, not a sample."""
+    for row, lp in zip(rows, logprobs):
+        if math.isnan(lp):
+            raise ValueError(
+                f"prompt {row}: the model's next-token logits are not finite (NaN or inf), so nothing can be "
+                "sampled: check the model's weights (a diverged update) and its input"
+            )
 
 
 # ------------------------------------------------------------------ the sampling distribution
@@ -146,7 +171,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """
     logits = logits.to(logprob_dtype(logits.dtype))
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        point = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        # argmax would pick a NaN: such a row (or one with +inf, whose softmax is NaN) is NaN, which draw reports
+        return point.masked_fill((logits.isnan() | logits.isposinf()).any(-1, keepdim=True), float("nan"))
     logits = logits / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -178,7 +205,10 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tens
         # rounding may land past the last token of nonzero probability
         last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
         tokens = torch.minimum(tokens, last)
-    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    logp = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    # a row with a non-finite probability (NaN or inf logits) draws nothing: its logprob says so, NaN,
+    # which the caller checks on the host it already syncs with (refuse_nonfinite_draws)
+    return tokens, torch.where(probs.sum(-1).isfinite(), logp, torch.nan)
 
 
 def step_uniforms(n: int, params: SamplingParams, generator, device) -> torch.Tensor | None:
@@ -230,10 +260,12 @@ def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p
         steps += 1
         probs = sampling_probs(_context_logits(model, [prompts[i] + out[i] for i in active]), params)
         tokens, logp = draw(probs, step_uniforms(len(active), params, generator, device))
-        for i, t, lp in zip(active, tokens.tolist(), logp.tolist()):
+        logp = logp.tolist()
+        refuse_nonfinite_draws(logp, active)
+        for i, t, lp in zip(active, tokens.tolist(), logp):
             out[i].append(t)
             lps[i].append(lp)
-        active = [i for i in active if len(out[i]) < max_new_tokens and out[i][-1] != params.eos_token_id]
+        active = [i for i in active if len(out[i]) < max_new_tokens and out[i][-1] not in params.eos_token_ids]
     dtype = logprob_dtype(adapt(model).dtype)
     stats = {"generated_tokens": sum(map(len, out)), "verify_steps": steps}
     return Rollout(out, [torch.tensor(x, dtype=dtype) for x in lps], stats)
@@ -294,7 +326,7 @@ class Walk:
     accepted: int
 
 
-def walk(draft: DraftTree, sampled: list[int], eos_token_id: int | None) -> Walk:
+def walk(draft: DraftTree, sampled: list[int], eos_token_ids: frozenset[int]) -> Walk:
     """The exact acceptance rule: follow the draft while the token drawn at a node is one of its children.
 
     ``sampled[r]`` is the token drawn from the target distribution at draw r
@@ -307,7 +339,7 @@ def walk(draft: DraftTree, sampled: list[int], eos_token_id: int | None) -> Walk
         tokens.append(x)
         rows.append(r)
         child = kids[r].get(x)
-        if child is None or x == eos_token_id:
+        if child is None or x in eos_token_ids:
             return Walk(tokens, rows, len(tokens) - 1)
         r = child + 1
 
@@ -668,18 +700,20 @@ class SpeculativeRun:
         walks = []
         for i, draft, smp, lp in zip(active, drafts, sampled, logprobs):
             s = self.seqs[i]
-            w = walk(draft, smp, self.params.eos_token_id)
+            w = walk(draft, smp, self.params.eos_token_ids)
             room = self.max_new_tokens - len(s.tokens)
             w = Walk(w.tokens[:room], w.rows[:room], min(w.accepted, room))
+            emitted = [lp[r] for r in w.rows]
+            refuse_nonfinite_draws(emitted, [i] * len(emitted))
             s.tokens += w.tokens
-            s.logprobs += [lp[r] for r in w.rows]
+            s.logprobs += emitted
             s.budget.update(len(draft), w.accepted)
             self.stats["drafted_tokens"] += len(draft)
             self.stats["accepted_tokens"] += w.accepted
             self.stats["generated_tokens"] += len(w.tokens)
             self.stats["sequence_steps"] += 1
             walks.append(w)
-            if len(s.tokens) >= self.max_new_tokens or s.tokens[-1] == self.params.eos_token_id:
+            if len(s.tokens) >= self.max_new_tokens or s.tokens[-1] in self.params.eos_token_ids:
                 s.done = True
         for i in active:  # after the step: a finished sibling drafts for the rest of its group
             if self.seqs[i].done and self.cache is not None:

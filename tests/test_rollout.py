@@ -213,12 +213,12 @@ def test_chi_square_detects_a_wrong_distribution(small):
 def test_walk_rule():
     """Accept while the drawn token is a child; emit the first token that is not; stop at EOS."""
     draft = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, -1])  # 5 -> {6, 7}; 8
-    assert walk(draft, [5, 7, 9, 9, 9], None).tokens == [5, 7, 9]
-    assert walk(draft, [5, 7, 9, 9, 9], None).rows == [0, 1, 3]
-    assert walk(draft, [5, 7, 9, 9, 9], None).accepted == 2
-    assert walk(draft, [5, 9, 7, 9, 9], None).tokens == [5, 9]
-    assert walk(draft, [3, 9, 9, 9, 9], None).tokens == [3]
-    assert walk(draft, [5, 0, 9, 9, 9], 5).tokens == [5]  # EOS ends even inside the draft
+    assert walk(draft, [5, 7, 9, 9, 9], frozenset()).tokens == [5, 7, 9]
+    assert walk(draft, [5, 7, 9, 9, 9], frozenset()).rows == [0, 1, 3]
+    assert walk(draft, [5, 7, 9, 9, 9], frozenset()).accepted == 2
+    assert walk(draft, [5, 9, 7, 9, 9], frozenset()).tokens == [5, 9]
+    assert walk(draft, [3, 9, 9, 9, 9], frozenset()).tokens == [3]
+    assert walk(draft, [5, 0, 9, 9, 9], frozenset({5})).tokens == [5]  # EOS ends even inside the draft
 
 
 # ------------------------------------------------------------------ logprobs and EOS
@@ -283,6 +283,30 @@ def test_empty_cache_speculative_equals_plain(model):
     plain = dta_ref.sample(model, PROMPTS, 8, generator=gen(7), top_k=10)
     for fn in SPECULATIVE.values():
         assert fn(model, PROMPTS, 8, cache=dta_ref.RolloutCache(), generator=gen(7), top_k=10).completions == plain.completions
+
+
+def test_fast_kv_buffers_grow_with_the_completions(model, monkeypatch):
+    """dta_fast's KV buffers start small and double as the completions grow: the draws are still the
+    twin's, through several growths with drafts, and a huge max_new_tokens or max_draft_tokens allocates
+    for what is generated, not for the limit (it had allocated for the limit up front)."""
+    grown = []
+    original = fast_rollout._KVEngine._grow
+    monkeypatch.setattr(fast_rollout._KVEngine, "_grow", lambda self, w: (grown.append(w), original(self, w)))
+    monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", 4)
+    prompts = PROMPTS * 2
+    base = dta_fast.sample(model, prompts, 120, temperature=0.9, generator=gen(4))
+    kw = dict(temperature=0.9, max_draft_tokens=6, generator=gen(5))
+    ref = dta_ref.speculative_sample(model, prompts, 120, cache=cache_of(prompts, base.completions), **kw)
+    kw["generator"] = gen(5)
+    fast = dta_fast.speculative_sample(model, prompts, 120, cache=cache_of(prompts, base.completions), **kw)
+    _assert_twins(ref, fast)
+    assert len(grown) >= 2 and fast.stats["accepted_tokens"] > 0
+    monkeypatch.undo()
+    # 10**8 new tokens for a prompt whose completion ends at its first token (greedy, EOS = that token)
+    first = dta_ref.sample(model, [[1, 2]], 1, temperature=0).completions[0][0]
+    for engine in (dta_fast.sample, lambda *a, **k: dta_fast.speculative_sample(*a, cache=dta_ref.RolloutCache(),
+                                                                                max_draft_tokens=10**9, **k)):
+        assert engine(model, [[1, 2]], 10**8, temperature=0, eos_token_id=first).completions == [[first]]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -373,6 +397,10 @@ BAD = [
     ("top-k-zero", dict(top_k=0), ValueError, "top_k must be >= 1"),
     ("top-k-float", dict(top_k=2.5), TypeError, "top_k must be an int"),
     ("eos-negative", dict(eos_token_id=-1), ValueError, "eos_token_id must be >= 0"),
+    ("eos-list-negative", dict(eos_token_id=[3, -1]), ValueError, "eos_token_id must be >= 0"),
+    ("eos-list-empty", dict(eos_token_id=[]), ValueError, "eos_token_id is an empty list"),
+    ("eos-list-out-of-vocab", dict(eos_token_id=[3, 99]), ValueError, "out of range"),
+    ("eos-string", dict(eos_token_id="3"), TypeError, "eos_token_id must be an int, a list of ints or None"),
     ("generator-type", dict(generator=0), TypeError, "generator must be"),
 ]
 
@@ -409,6 +437,41 @@ def test_cache_of_another_vocabulary_is_refused(model, engine):
     cache.add([3], [40, 41])  # the model's vocabulary has 32 tokens
     with pytest.raises(ValueError, match="drafted token 41, out of range for the model.s vocabulary of 32"):
         SPECULATIVE[engine](model, [[3]], 3, cache=cache, temperature=0)
+
+
+@pytest.mark.parametrize("engine", ["ref", "fast"])
+def test_several_eos_tokens(model, engine):
+    """eos_token_id=[a, b] (chat models end turns with several): a completion ends at the first of either.
+    One prompt draws one uniform per step whatever ends it, so the completion is the one without an EOS,
+    cut after its first a or b; speculative sampling with a fresh cache drafts nothing, so it is too."""
+    frees = [PLAIN[engine](model, [[1, 2]], 12, temperature=1.5, generator=gen(seed)).completions[0] for seed in range(6)]
+    eos = [frees[0][3], frees[1][2]]  # tokens these completions draw early
+    cut = 0
+    for seed, free in enumerate(frees):
+        ends = [t for t, x in enumerate(free) if x in eos]
+        want = free[: ends[0] + 1] if ends else free
+        cut += bool(ends) and ends[0] < len(free) - 1
+        for out in (PLAIN[engine](model, [[1, 2]], 12, temperature=1.5, eos_token_id=eos, generator=gen(seed)),
+                    SPECULATIVE[engine](model, [[1, 2]], 12, cache=dta_ref.RolloutCache(), temperature=1.5,
+                                        eos_token_id=tuple(eos), generator=gen(seed))):  # fmt: skip
+            assert out.completions[0] == want, seed
+            assert len(out.logprobs[0]) == len(want)
+    assert cut  # some completion did stop early, so the check means something
+
+
+@pytest.mark.parametrize("sampler", ["ref.sample", "fast.sample", "ref.speculative", "fast.speculative"])
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_nonfinite_logits_are_an_error(sampler, greedy):
+    """Logits with a NaN (a diverged update) have no distribution to draw from: a ValueError naming the
+    prompt, not a token picked by the search's rounding or by argmax landing on the NaN."""
+    model = peaky_decoder(32, 8.0)
+    with torch.no_grad():
+        model.lm_head.weight[7] = float("nan")
+    engine, kind = sampler.split(".")
+    fn = SPECULATIVE[engine] if kind == "speculative" else PLAIN[engine]
+    kwargs = dict(cache=dta_ref.RolloutCache()) if kind == "speculative" else {}
+    with pytest.raises(ValueError, match="prompt 0: the model's next-token logits are not finite"):
+        fn(model, [[1, 2]], 4, temperature=0 if greedy else 1.0, generator=gen(), **kwargs)
 
 
 @pytest.mark.parametrize("sampler", ["ref", "fast"])
