@@ -52,7 +52,10 @@ def check_hf_model(model) -> None:
 
 def _tree_attention(module, query, key, value, dta_attend, dropout=0.0, scaling=None, **kwargs):
     if dropout:
-        raise ValueError("attention dropout is not supported on the tree path: set attention_dropout=0")
+        raise ValueError(
+            "attention dropout is not supported on the tree path: set attention_dropout=0 (or, to score or "
+            "sample without dropout, put the model in eval mode: model.eval())"
+        )
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit softcapping is not supported on the tree path")
     if kwargs.get("sliding_window") is not None:

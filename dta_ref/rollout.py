@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -405,6 +405,7 @@ class _Store:
         self.next_id = 0
         self.num_tokens = 0
         self.index: dict[int, dict[int, list[tuple[int, int]]]] = {n: {} for n in NGRAMS}  # n -> hash -> [(id, pos)]
+        self.indexed = 0  # tokens the index holds entries for, evicted ones included
 
     def add(self, seq: list[int]) -> None:
         s = [BOS] + seq
@@ -413,6 +414,7 @@ class _Store:
         self.seqs[sid] = s
         self.order.append(sid)
         self.num_tokens += len(seq)
+        self.indexed += len(seq)
         self._index(sid, s)
 
     def _index(self, sid: int, s: list[int]) -> None:
@@ -434,15 +436,16 @@ class _Store:
                         hits.append((sid, e))
 
     def evict_to(self, max_tokens: int) -> None:
-        if self.num_tokens <= max_tokens:
-            return
-        target = max_tokens * 3 // 4  # evict in bulk, then rebuild the index once
-        while self.order and self.num_tokens > target:
+        while self.order and self.num_tokens > max_tokens:
             sid = self.order.popleft()
             self.num_tokens -= len(self.seqs.pop(sid)) - 1
-        self.index = {n: {} for n in NGRAMS}
-        for sid in self.order:
-            self._index(sid, self.seqs[sid])
+        # an evicted sequence's index entries stay until the index is rebuilt (match skips them), which
+        # happens once they outnumber the live ones: a rebuild per max_tokens evicted, not per eviction
+        if self.indexed > 2 * self.num_tokens + 1024:
+            self.index = {n: {} for n in NGRAMS}
+            self.indexed = self.num_tokens
+            for sid in self.order:
+                self._index(sid, self.seqs[sid])
 
     def match(self, context: list[int], max_match: int, max_sources: int) -> list[list[int]]:
         """Pointers [id, pos] after the stored occurrences of the longest context suffix, longest first.
@@ -484,19 +487,31 @@ class RolloutCache:
     longest suffix, up to ``max_match`` tokens, anchored at the prompt's end
     when short) occurs in the stored sequences and returns what followed, as
     a token tree, most frequent first. Memory per prompt is bounded by
-    ``max_tokens_per_prompt`` (oldest completions evicted first).
+    ``max_tokens_per_prompt`` (oldest completions evicted first), and the
+    whole cache's by ``max_tokens`` when given (the prompts least recently
+    added to or drafted from dropped first: a run over a large prompt set
+    keeps the prompts it meets again); ``clear()`` empties it.
     """
 
-    def __init__(self, max_tokens_per_prompt: int = 1 << 16, max_match: int = 32, max_sources: int = 8):
+    def __init__(self, max_tokens_per_prompt: int = 1 << 16, max_match: int = 32, max_sources: int = 8,
+                 max_tokens: int | None = None):  # fmt: skip
         _check_int("max_tokens_per_prompt", max_tokens_per_prompt, 1)
         _check_int("max_match", max_match, 1)
         _check_int("max_sources", max_sources, 1)
+        _check_int("max_tokens", max_tokens, 1, allow_none=True)
         self.max_tokens_per_prompt = max_tokens_per_prompt
         self.max_match = max_match
         self.max_sources = max_sources
+        self.max_tokens = max_tokens
         self.version = 0  # bumped by every add: drafters then look for new sources
-        self._stores: dict[tuple[int, ...], _Store] = {}
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every stored completion."""
+        self._stores: OrderedDict[tuple[int, ...], _Store] = OrderedDict()  # least recently used first
         self._key_lengths: set[int] = set()
+        self._num_tokens = 0
+        self.version += 1
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -504,18 +519,30 @@ class RolloutCache:
     def num_tokens(self, prompt=None) -> int:
         """Tokens stored under ``prompt``'s key, or in the whole cache."""
         if prompt is None:
-            return sum(s.num_tokens for s in self._stores.values())
-        found = self._find(_as_token_list(prompt, 0))
+            return self._num_tokens
+        found = self._find(_as_token_list(prompt, 0), use=False)
         return 0 if found is None else found[0].num_tokens
 
-    def _find(self, prompt: list[int]):
-        """(store, prompt tokens after its key) for the longest cached key that prefixes ``prompt``."""
+    def _find(self, prompt: list[int], use: bool = True):
+        """(store, prompt tokens after its key) for the longest cached key that prefixes ``prompt``;
+        ``use`` marks it the most recently used."""
         for n in sorted(self._key_lengths, reverse=True):
             if n <= len(prompt):
-                store = self._stores.get(tuple(prompt[:n]))
+                key = tuple(prompt[:n])
+                store = self._stores.get(key)
                 if store is not None:
+                    if use:
+                        self._stores.move_to_end(key)
                     return store, prompt[n:]
         return None
+
+    def _evict(self) -> None:
+        """Drop least recently used prompts while the cache holds more than max_tokens (never the last
+        one used: a prompt larger than the bound keeps its own max_tokens_per_prompt)."""
+        while self.max_tokens is not None and self._num_tokens > self.max_tokens and len(self._stores) > 1:
+            _, store = self._stores.popitem(last=False)
+            self._num_tokens -= store.num_tokens
+            self._key_lengths = {len(k) for k in self._stores}
 
     def add(self, prompt, completion) -> None:
         prompt = _as_token_list(prompt, 0)
@@ -535,8 +562,11 @@ class RolloutCache:
         else:
             store, tail = found
         if tail or completion:
+            before = store.num_tokens
             store.add(tail + completion)
             store.evict_to(self.max_tokens_per_prompt)
+            self._num_tokens += store.num_tokens - before
+            self._evict()
         self.version += 1
 
     def drafter(self, prompt) -> Drafter:

@@ -353,6 +353,27 @@ def test_cache_drafts_most_frequent_first_and_bounded():
     assert cache.draft([9, 9], [], 3).tokens == [5, 5, 5]  # the newest completions survive
 
 
+def test_cache_bounded_across_prompts():
+    """max_tokens bounds the whole cache: the prompt least recently added to or drafted from goes first,
+    the one just added to stays; clear() empties it."""
+    cache = dta_ref.RolloutCache(max_tokens=30)
+    for p in ([1], [2], [3]):
+        cache.add(p, [p[0]] * 10)
+    assert cache.num_tokens() == 30 and len(cache) == 3
+    assert cache.draft([1], [], 3).tokens == [1, 1, 1]  # [1] is now the most recently used
+    cache.add([4], [4] * 10)  # 40 tokens: [2], the least recently used, goes
+    assert cache.num_tokens() == 30 and cache.num_tokens([2]) == 0 and cache.draft([2], [], 3).tokens == []
+    assert [cache.num_tokens([p]) for p in (1, 3, 4)] == [10, 10, 10]
+    cache.add([5], [5] * 25)  # larger than what is left: every older prompt goes, the new one stays
+    assert len(cache) == 1 and cache.num_tokens() == 25 and cache.draft([5], [], 2).tokens == [5, 5]
+    cache.add([5, 6], [7, 8])  # a later turn of [5], stored under it
+    assert len(cache) == 1 and cache.num_tokens() == 25 + 3
+    cache.clear()
+    assert len(cache) == 0 and cache.num_tokens() == 0 and cache.draft([5], [], 2).tokens == []
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        dta_ref.RolloutCache(max_tokens=0)
+
+
 def test_cache_serves_a_later_turn():
     """A prompt extending a cached prompt (the next turn) drafts from what followed that context before."""
     cache = dta_ref.RolloutCache()
