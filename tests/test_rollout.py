@@ -541,12 +541,15 @@ def test_rl_loop_generate_then_tree_backward(model):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("first_new_tokens", [fast_rollout.FIRST_NEW_TOKENS, 4], ids=["roomy", "growing"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_engine_with_the_kernel(dtype):
+def test_cuda_engine_with_the_kernel(dtype, first_new_tokens, monkeypatch):
     """On CUDA the engine verifies drafts with the compiled kernel: greedy equals the reference,
-    sampled logprobs equal teacher-forced ones (ragged prompts, a cache with right and wrong drafts)."""
+    sampled logprobs equal teacher-forced ones (ragged prompts, a cache with right and wrong drafts),
+    also when the KV buffers start small and grow during the run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", first_new_tokens)
     model = tiny_hf_model("llama", torch.float32).cuda()
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]] * 3
     expected = dta_ref.sample(model, prompts, 24, temperature=0).completions
