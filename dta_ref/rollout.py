@@ -134,28 +134,27 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
 def _check_eos(model, eos_token_id) -> frozenset[int]:
     """An int, a list of ints (chat models often end turns with several, as Hugging Face's
     generation_config.eos_token_id lists them) or None."""
-    if isinstance(eos_token_id, (list, tuple, set, frozenset)) and eos_token_id:
-        ids = [_check_int("eos_token_id", e, 0) for e in eos_token_id]
-    else:
-        if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+        if not eos_token_id:
             raise ValueError("eos_token_id is an empty list: pass None for no end-of-sequence token")
-        if eos_token_id is None:
-            return frozenset()
-        if not isinstance(eos_token_id, (numbers.Integral, bool)):
-            raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}")
-        ids = [_check_int("eos_token_id", eos_token_id, 0)]
+        ids = [_check_int("eos_token_id", e, 0) for e in eos_token_id]
+    elif isinstance(eos_token_id, numbers.Integral):
+        ids = [_check_int("eos_token_id", eos_token_id, 0)]  # a bool is refused there
+    else:
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}")
     adapt(model).check_token_ids(torch.tensor(ids))
     return frozenset(ids)
 
 
-def refuse_nonfinite_draws(logprobs: list[float], rows: list[int]) -> None:
+def refuse_nonfinite_draws(logprobs: list[float], prompt: int) -> None:
     """A NaN logprob marks a draw from logits that were not finite (``draw``): an error, not a sample."""
-    for row, lp in zip(rows, logprobs):
-        if math.isnan(lp):
-            raise ValueError(
-                f"prompt {row}: the model's next-token logits are not finite (NaN or inf), so nothing can be "
-                "sampled: check the model's weights (a diverged update) and its input"
-            )
+    if any(math.isnan(lp) for lp in logprobs):
+        raise ValueError(
+            f"prompt {prompt}: the model's next-token logits are not finite (NaN or inf), so nothing can be "
+            "sampled: check the model's weights (a diverged update) and its input"
+        )
 
 
 # ------------------------------------------------------------------ the sampling distribution
@@ -260,9 +259,8 @@ def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p
         steps += 1
         probs = sampling_probs(_context_logits(model, [prompts[i] + out[i] for i in active]), params)
         tokens, logp = draw(probs, step_uniforms(len(active), params, generator, device))
-        logp = logp.tolist()
-        refuse_nonfinite_draws(logp, active)
-        for i, t, lp in zip(active, tokens.tolist(), logp):
+        for i, t, lp in zip(active, tokens.tolist(), logp.tolist()):
+            refuse_nonfinite_draws([lp], i)
             out[i].append(t)
             lps[i].append(lp)
         active = [i for i in active if len(out[i]) < max_new_tokens and out[i][-1] not in params.eos_token_ids]
@@ -734,7 +732,7 @@ class SpeculativeRun:
             room = self.max_new_tokens - len(s.tokens)
             w = Walk(w.tokens[:room], w.rows[:room], min(w.accepted, room))
             emitted = [lp[r] for r in w.rows]
-            refuse_nonfinite_draws(emitted, [i] * len(emitted))
+            refuse_nonfinite_draws(emitted, i)
             s.tokens += w.tokens
             s.logprobs += emitted
             s.budget.update(len(draft), w.accepted)
