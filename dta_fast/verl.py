@@ -47,6 +47,13 @@ def verl_log_probs(
     every token its depth, which is that count. Multimodal 3-D positions
     (mrope) are refused.
     """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor [batch, length], got {getattr(input_ids, 'shape', input_ids)}")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must be [batch, length] like input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}"
+        )
     if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
         raise ValueError(f"responses must be a 2-D tensor [batch, response_length], got {getattr(responses, 'shape', responses)}")
     if not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:

@@ -139,6 +139,7 @@ class ModelAdapter:
     def vocab_size(self) -> int:
         embedding = self.embedding
         base = embedding.get_base_layer() if callable(getattr(embedding, "get_base_layer", None)) else embedding
+        base = getattr(base, "original_module", base)  # PEFT's TrainableTokensWrapper (trainable_token_indices)
         return base.num_embeddings  # through PEFT's wrapper of an adapted embedding (LoRA on embed_tokens)
 
     @property

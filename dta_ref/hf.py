@@ -46,8 +46,32 @@ def check_hf_model(model) -> None:
             f"{type(model).__name__} has no language-model head: pass the causal LM "
             "(e.g. Qwen2ForCausalLM), not a base model or a classification model"
         )
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+    layer_types = getattr(cfg, "layer_types", None)
+    sliding = ("sliding_attention" in layer_types if layer_types is not None
+               else getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None))  # fmt: skip
+    if sliding:
         raise ValueError("models with sliding-window attention layers are not supported on the tree path")
+    for rope_type in _rope_types(cfg):
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(
+                f"rope type '{rope_type}' is not supported on the tree path: its frequencies follow the largest "
+                "position of each forward call, so a tree (or a chunk of one) would use other frequencies than "
+                "each rollout alone"
+            )
+
+
+def _rope_types(cfg) -> set[str]:
+    """The RoPE types a config names (rope_parameters in recent transformers, rope_scaling before; either
+    may hold one dict or one per layer type)."""
+    types = set()
+    for params in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
+        if not isinstance(params, dict):
+            continue
+        for entry in [params] + [v for v in params.values() if isinstance(v, dict)]:
+            name = entry.get("rope_type", entry.get("type"))
+            if isinstance(name, str):
+                types.add(name)
+    return types
 
 
 def _tree_attention(module, query, key, value, dta_attend, dropout=0.0, scaling=None, **kwargs):

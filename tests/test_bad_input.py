@@ -258,6 +258,17 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
+def rope_llama(rope):
+    """A tiny Llama whose RoPE frequencies depend on each call's largest position."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+    cfg.rope_parameters = dict(rope, rope_theta=10000.0)
+    cfg.rope_scaling = cfg.rope_parameters
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def sliding_window_qwen2():
     import transformers
 
@@ -313,6 +324,20 @@ LOGPROB_CASES = [
         lambda: dta_ref.tree_logprobs(sliding_window_qwen2(), TREE),
         ValueError,
         "sliding-window",
+    ),
+    case(
+        "hf-dynamic-rope",
+        lambda: dta_ref.tree_logprobs(rope_llama({"rope_type": "dynamic", "factor": 4.0}), TREE),
+        ValueError,
+        "rope type 'dynamic' is not supported",
+    ),
+    case(
+        "hf-longrope",
+        lambda: dta_ref.tree_logprobs(rope_llama({"rope_type": "longrope", "long_factor": [1.0, 2.0, 4.0, 8.0],
+                                                  "short_factor": [1.0] * 4, "original_max_position_embeddings": 4}),
+                                      TREE),  # fmt: skip
+        ValueError,
+        "rope type 'longrope' is not supported",
     ),
     case(
         "hf-attention-dropout-in-training",

@@ -126,6 +126,32 @@ def test_peft_lora_on_the_embedding():
     assert_matches_each_rollout_alone(model)
 
 
+def test_sliding_window_flag_without_sliding_layers():
+    """Qwen2's use_sliding_window with max_window_layers past the last layer: every layer attends fully
+    (config.layer_types says so), so the tree path runs it, and gives each rollout alone's numbers."""
+    import transformers
+
+    base = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6).config.to_dict()
+    cfg = transformers.Qwen2Config(**{**base, "use_sliding_window": True, "sliding_window": 3,
+                                      "max_window_layers": 28, "layer_types": None})  # fmt: skip
+    assert "sliding_attention" not in cfg.layer_types
+    torch.manual_seed(6)
+    assert_matches_each_rollout_alone(transformers.Qwen2ForCausalLM(cfg).to(DEVICE).eval())
+
+
+def test_peft_trainable_tokens():
+    """PEFT's trainable_token_indices wraps the embedding (and a tied head) in a module that keeps the
+    original as .original_module: its vocabulary is that one's, and the rows it trains get gradients."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 7, 9],
+                        init_lora_weights=False)  # fmt: skip
+    model = get_peft_model(tiny_hf_model("llama", torch.float32, "sdpa", seed=6).to(DEVICE), config)
+    assert dta_ref.adapt(model).vocab_size == 64
+    assert_matches_each_rollout_alone(model)
+
+
 def test_peft_prompt_learning_is_refused():
     """Prompt and prefix tuning add virtual tokens outside the model's modules, which the tree does not
     hold: refused, not silently dropped."""

@@ -70,8 +70,11 @@ def test_verl_log_probs_equal_verls_padded_forward(family, temperature):
         (lambda b: (b[0], b[1], b[2][:, None].expand(-1, 3, -1), b[3]), "multimodal 3-D positions"),
         (lambda b: (b[0], b[1], b[2], b[3][0]), "responses must be a 2-D tensor"),
         (lambda b: (b[0], torch.where(b[1] == 1, 1, 0).index_fill(1, torch.tensor([5]), 0), b[2], b[3]), "contiguous"),
+        (lambda b: (b[0], b[1][:, 1:], b[2], b[3]), "attention_mask must be .batch, length. like input_ids"),
+        (lambda b: (b[0][0], b[1][0], b[2][0], b[3]), "input_ids must be a 2-D tensor"),
     ],
-    ids=["responses-not-the-tail", "shifted-positions", "mrope-positions", "1-d-responses", "gap-in-mask"],
+    ids=["responses-not-the-tail", "shifted-positions", "mrope-positions", "1-d-responses", "gap-in-mask",
+         "mask-shape", "1-d-input-ids"],
 )
 def test_verl_layout_errors(change, message):
     model = tiny_hf_model("qwen2", torch.float32, "sdpa")
