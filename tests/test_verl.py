@@ -62,6 +62,13 @@ def test_verl_log_probs_equal_verls_padded_forward(family, temperature):
     assert verl_log_probs(model, *batch).entropy is None
 
 
+def _without_a_prompt(batch, row=5):
+    """Row ``row``'s prompt masked out, its positions recounted: a response with nothing before it."""
+    mask = batch[1].clone()
+    mask[row, : -batch[3].shape[1]] = 0
+    return batch[0], mask, torch.clip(mask.cumsum(-1) - 1, min=0), batch[3]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -72,9 +79,10 @@ def test_verl_log_probs_equal_verls_padded_forward(family, temperature):
         (lambda b: (b[0], torch.where(b[1] == 1, 1, 0).index_fill(1, torch.tensor([5]), 0), b[2], b[3]), "contiguous"),
         (lambda b: (b[0], b[1][:, 1:], b[2], b[3]), "attention_mask must be .batch, length. like input_ids"),
         (lambda b: (b[0][0], b[1][0], b[2][0], b[3]), "input_ids must be a 2-D tensor"),
+        (_without_a_prompt, "row 5 has no prompt token"),
     ],
     ids=["responses-not-the-tail", "shifted-positions", "mrope-positions", "1-d-responses", "gap-in-mask",
-         "mask-shape", "1-d-input-ids"],
+         "mask-shape", "1-d-input-ids", "no-prompt"],
 )
 def test_verl_layout_errors(change, message):
     model = tiny_hf_model("qwen2", torch.float32, "sdpa")
