@@ -47,20 +47,16 @@ def verl_log_probs(
     every token its depth, which is that count. Multimodal 3-D positions
     (mrope) are refused.
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D tensor [batch, length], got {getattr(input_ids, 'shape', input_ids)}")
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask must be [batch, length] like input_ids {tuple(input_ids.shape)}, got "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}"
-        )
-    if not isinstance(responses, torch.Tensor) or responses.dim() != 2:
-        raise ValueError(f"responses must be a 2-D tensor [batch, response_length], got {getattr(responses, 'shape', responses)}")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:
-        raise ValueError(
-            f"position_ids must be [batch, length] like input_ids {tuple(input_ids.shape)}, got "
-            f"{tuple(getattr(position_ids, 'shape', ()))} (multimodal 3-D positions are not supported)"
-        )
+    for name, x in (("input_ids", input_ids), ("responses", responses)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [batch, length], got {getattr(x, 'shape', x)}")
+    for name, x in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if not isinstance(x, torch.Tensor) or x.shape != input_ids.shape:
+            hint = " (multimodal 3-D positions are not supported)" if name == "position_ids" else ""
+            raise ValueError(
+                f"{name} must be [batch, length] like input_ids {tuple(input_ids.shape)}, got "
+                f"{tuple(getattr(x, 'shape', ()))}{hint}"
+            )
     batch, width = input_ids.shape
     response_length = responses.shape[1]
     if responses.shape[0] != batch or response_length > width:
