@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -322,6 +323,8 @@ def test_twins_agree_hf(family):
 
 def test_fast_engine_with_the_kernel(monkeypatch):
     """The Triton tree-attention route (interpreted on CPU) verifies drafts like the explicit mask."""
+    if os.environ.get("TRITON_INTERPRET") != "1":  # on a GPU machine test_cuda_engine_with_the_kernel runs it
+        pytest.skip("CPU tensors through the kernel need the interpreter (TRITON_INTERPRET=1)")
     model = peaky_decoder(32, 8.0, dtype=torch.float32)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     expected = dta_ref.sample(model, prompts, 6, temperature=0).completions
