@@ -1,6 +1,6 @@
 """The backward with dS stored by the dK/dV pass and dQ = dS K read back from it (Hopper, H=32, D=128).
 
-    python benchmarks/bench_stored_ds.py [--rounds 3] [--out DIR]
+    python benchmarks/bench_stored_ds.py [--rounds 3] [--sustain 3] [--out DIR]
 
 The dQ pass recomputes S = Q K^T and dP = dO V^T, which the dK/dV pass already has: 7 products per
 visible pair where 5 are needed. Instead of adding dQ inside the dK/dV pass (float32 additions,
@@ -18,7 +18,9 @@ the dK/dV pass's own query-block range: ``ds_tiles``.
 
 Timed against the library's two passes on the same inputs (the preprocess and the forward are run
 once, outside). Gated bitwise on dK, dV and dQ. ``do_bench`` medians over rounds, the variants
-interleaved. Prints a table and writes stored_ds.json.
+interleaved. With ``--sustain`` also the two backwards at the GPU's power cap, as bench_power.py
+times them (calls back to back for that many seconds after 3 s idle, then their median and the
+energy of one). Prints a table and writes stored_ds.json.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.testing import do_bench
 
 from bench_attention import build_tree, write_results
+from bench_power import Sampler, sustained
 from dta_fast import attention, attention_hopper, build_schedule
 from dta_fast.attention_hopper import TensorDescriptor, _descriptor, _ring, _tma_load, _wgmma_layout
 
@@ -286,7 +289,7 @@ def _ds_descriptor(ds):
                             gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))  # fmt: skip
 
 
-def bench_shape(shape, rounds):
+def bench_shape(shape, rounds, sampler=None, sustain=0.0):
     tree = build_tree(shape)
     schedule = build_schedule(tree.subtree_end.cuda())
     end, T = schedule.subtree_end, tree.num_tokens
@@ -347,25 +350,36 @@ def bench_shape(shape, rounds):
     for _ in range(rounds):
         for n, fn in variants.items():
             times[n].append(do_bench(fn))
-    return dict(name=shape["name"], T=T, ds_gib=ds.numel() * 2 / 2**30, bitwise=gate,
-                ms={n: statistics.median(t) for n, t in times.items()}, ms_rounds=times)  # fmt: skip
+    row = dict(name=shape["name"], T=T, ds_gib=ds.numel() * 2 / 2**30, bitwise=gate,
+               ms={n: statistics.median(t) for n, t in times.items()}, ms_rounds=times)  # fmt: skip
+    if sampler is not None:
+        row["sustained"] = {n: sustained(variants[n], [], sampler, 3.0, sustain)
+                            for n in ("two passes (now)", "dK/dV storing dS, dQ from it")}  # fmt: skip
+    return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sustain", type=float, default=0.0, help="seconds at the power cap (0: not timed)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
+    sampler = Sampler(torch.device("cuda")) if args.sustain else None
     rows = []
     for shape in SHAPES:
-        row = bench_shape(shape, args.rounds)
+        row = bench_shape(shape, args.rounds, sampler, args.sustain)
         rows.append(row)
         print(f"\n{row['name']} (dS {row['ds_gib']:.2f} GiB; bitwise dK, dV, dQ: {row['bitwise']})")
         for n, ms in row["ms"].items():
             print(f"  {n:32s} {ms:8.3f} ms")
+        for n, r in row.get("sustained", {}).items():
+            energy = f", {r['mhz']:.0f} MHz, {r['watts']:.0f} W, {r['mj_per_call']:.0f} mJ" if "watts" in r else ""
+            print(f"  at the power cap: {n:29s} {r['ms']:8.3f} ms{energy}")
         torch.cuda.empty_cache()
-    path = write_results(args.out, "stored_ds.json", rows, harness=f"do_bench medians of {args.rounds} rounds",
-                         H=H, D=D, dtype="bfloat16")  # fmt: skip
+    if sampler is not None:
+        sampler.close()
+    harness = f"do_bench medians of {args.rounds} rounds; sustained: bench_power.sustained, {args.sustain} s"
+    path = write_results(args.out, "stored_ds.json", rows, harness=harness, H=H, D=D, dtype="bfloat16")
     print(f"\nwrote {path}")
 
 
