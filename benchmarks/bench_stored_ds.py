@@ -9,7 +9,8 @@ keys x 64 queries, bfloat16, the same rounding the dQ pass gives dS before its p
 and a dQ pass multiplies it by K: one product instead of three, no additions across programs, and
 the same blocks in the same order as the dQ pass, so dQ is bitwise the same.
 
-The dK/dV kernel is ``attention_hopper``'s with one change. Each step stages its dS^T half in a
+The dK/dV kernel is ``attention_hopper``'s (for one tree and no split of the query heads) with one
+change. Each step stages its dS^T half in a
 buffer of the step's stage, and the loader warp, before refilling that stage, stores the staged
 halves by TMA and waits until they are read. So the compute warpgroups never wait on a store.
 ``staged`` stages without storing, and ``stores`` stores without staging (dQ is wrong in both: the

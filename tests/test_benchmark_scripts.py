@@ -88,6 +88,32 @@ def test_dq_reductions_walk_the_live_query_tiles():
     assert (m_hi - m_lo)[order].diff().le(0).all()  # longest first
 
 
+@pytest.mark.parametrize("cached", [0, 150])
+def test_stored_ds_tiles_cover_every_walked_query_block_once(cached):
+    """bench_stored_ds.py's tile index: each key block of 128 gets a tile per query block of 64 its
+    dK/dV program walks, all tiles distinct and none left over, and every (query block, key block of
+    64) with a visible pair, what its dQ pass reads, is among them (with a cached prefix too)."""
+    import bench_stored_ds as bench
+
+    end = PrefixTree.from_sequences(grpo_batch(1, 300, 3, 170)).subtree_end.to(torch.int32).reshape(1, -1)
+    T = end.shape[1]
+    Tq = T - cached
+    base, tiles = bench.ds_tiles(end.to(DEVICE).contiguous(), Tq)
+    rows = 64
+    pos_k = torch.arange(T)
+    pos_q = torch.arange(Tq) + cached
+    visible = (pos_k[None, :] <= pos_q[:, None]) & (pos_q[:, None] < end[0][None, :].long())  # [query, key]
+    seen = []
+    for nb in range(-(-T // 128)):
+        keys = torch.arange(nb * 128, min(nb * 128 + 128, T))
+        m_lo = max(nb * 128 - cached, 0) // rows
+        m_hi = -(-(int(end[0, keys].max()) - cached) // rows)
+        seen += [int(base[nb]) + m for m in range(m_lo, m_hi)]
+        for m in {int(i) // rows for i in visible[:, keys].any(1).nonzero()}:
+            assert m_lo <= m < m_hi, (nb, m)  # the dQ pass's tile was written
+    assert sorted(seen) == list(range(tiles))
+
+
 def test_power_benchmark_times_the_passes_of_a_call():
     """bench_power.py's passes, called as it times them, give the call's own output and gradients:
     it times the library's passes with the arguments a call gives them."""
