@@ -39,7 +39,8 @@ from triton.testing import do_bench
 from bench_attention import build_tree, write_results
 from bench_power import Sampler, sustained
 from dta_fast import attention, attention_hopper, build_schedule
-from dta_fast.attention_hopper import TensorDescriptor, _descriptor, _ring, _tma_load, _wgmma_layout
+from dta_fast.attention_hopper import (TensorDescriptor, _descriptor, _key_block_query_blocks, _ring, _tma_load,
+                                      _wgmma_layout)
 
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # 3.6: the older name
 
@@ -197,17 +198,8 @@ def dkdv_storing_ds_kernel(
     b = row // num_n_blocks
     hk = pid % Hkv
     n0 = (row % num_n_blocks) * BLOCK_N
-    q_offset = Tk - Tq
     END += b.to(gl.int64) * stride_eb
-    key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
-    end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
-    k_last = gl.minimum(n0 + BLOCK_N, Tk) - 1
-    min_end = gl.min(gl.where(offs_n < Tk, end_n, Tk), 0)
-    m_lo = gl.maximum(n0 - q_offset, 0) // ROWS
-    m_hi = gl.cdiv(gl.max(end_n, 0) - q_offset, ROWS)
-    m_full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(k_last - q_offset, 0), ROWS), m_lo), m_hi)
-    m_full_hi = gl.maximum(gl.minimum(gl.maximum(min_end - q_offset, 0) // ROWS, m_hi), m_full_lo)
+    m_lo, m_full_lo, m_full_hi, m_hi = _key_block_query_blocks(END, n0, Tq, Tk, ROWS, BLOCK_N)
 
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)

@@ -424,6 +424,22 @@ if HAVE_GLUON:
                  dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
 
     @gluon.jit
+    def _key_block_query_blocks(END, n0, Tq, Tk, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The query blocks of ROWS that keys n0 .. n0 + BLOCK_N - 1 walk in dK/dV: (m_lo, m_full_lo,
+        m_full_hi, m_hi), the middle ones full, every (query, key) pair visible (attention's dK/dV kernel)."""
+        q_offset = Tk - Tq
+        key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
+        end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
+        k_last = gl.minimum(n0 + BLOCK_N, Tk) - 1
+        min_end = gl.min(gl.where(offs_n < Tk, end_n, Tk), 0)
+        m_lo = gl.maximum(n0 - q_offset, 0) // ROWS
+        m_hi = gl.cdiv(gl.max(end_n, 0) - q_offset, ROWS)
+        m_full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(k_last - q_offset, 0), ROWS), m_lo), m_hi)
+        m_full_hi = gl.maximum(gl.minimum(gl.maximum(min_end - q_offset, 0) // ROWS, m_hi), m_full_lo)
+        return m_lo, m_full_lo, m_full_hi, m_hi
+
+    @gluon.jit
     def tree_attention_bwd_dkdv_hopper_kernel(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, END, ORDER,
         qk_scale, sm_scale,
@@ -449,18 +465,8 @@ if HAVE_GLUON:
         n0 = pid_n * BLOCK_N_
         h_lo = hk * GROUP + split * GROUP // SPLITS
         h_hi = hk * GROUP + (split + 1) * GROUP // SPLITS
-        q_offset = Tk - Tq
         END += b.to(gl.int64) * stride_eb
-        # the live query blocks of the key block and their full middle (attention's dK/dV kernel)
-        key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        offs_n = n0 + gl.arange(0, BLOCK_N_, layout=key_layout)
-        end_n = gl.load(END + offs_n, mask=offs_n < Tk, other=0)
-        k_last = gl.minimum(n0 + BLOCK_N_, Tk) - 1
-        min_end = gl.min(gl.where(offs_n < Tk, end_n, Tk), 0)
-        m_lo = gl.maximum(n0 - q_offset, 0) // ROWS
-        m_hi = gl.cdiv(gl.max(end_n, 0) - q_offset, ROWS)
-        m_full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(k_last - q_offset, 0), ROWS), m_lo), m_hi)
-        m_full_hi = gl.maximum(gl.minimum(gl.maximum(min_end - q_offset, 0) // ROWS, m_hi), m_full_lo)
+        m_lo, m_full_lo, m_full_hi, m_hi = _key_block_query_blocks(END, n0, Tq, Tk, ROWS, BLOCK_N_)
 
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
