@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dta_ref.attention import attention, mask_from_subtree_end
+from dta_ref.attention import as_float, attention, mask_from_subtree_end
 from dta_ref.adapter import adapt
 from dta_ref.logprobs import check_temperature, logprob_dtype
 from dta_ref.losses import TokenLoss
@@ -497,7 +497,7 @@ def _check_chunk_tokens(chunk_tokens, name: str = "chunk_tokens") -> int:
 def _check_bytes(value, name: str, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number of bytes, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(as_float(value)) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be a finite {'non-negative' if allow_zero else 'positive'} number of bytes, got {value}")
     return int(value)
 
@@ -530,9 +530,9 @@ def estimated_step_bytes(
 def _check_checkpoint_layers(checkpoint_layers, memory: MemoryModel) -> bool | None:
     """None (the plan decides) or a bool; True where the model checkpoints every layer itself: False adds
     no checkpointing but cannot undo the model's own."""
-    if checkpoint_layers is not None and not isinstance(checkpoint_layers, bool):
-        raise TypeError(f"checkpoint_layers must be True, False or None, got {type(checkpoint_layers).__name__}")
-    return True if memory.model_checkpoints else checkpoint_layers
+    if checkpoint_layers is not None and not isinstance(checkpoint_layers, (bool, np.bool_)):
+        raise TypeError(f"checkpoint_layers must be True, False or None, got {checkpoint_layers!r}")
+    return True if memory.model_checkpoints else None if checkpoint_layers is None else bool(checkpoint_layers)
 
 
 # Below this many tokens a budget that the first sizes tried miss is checked against every size.
@@ -662,8 +662,11 @@ def _largest_fitting_plan(
     return plans[lo]
 
 
-def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True) -> int:
-    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (a ValueError if none does).
+def chunk_tokens_for_budget(
+    model, tree: PrefixTree, memory_budget_bytes: int, recompute: bool = True, checkpoint_layers: bool | None = None
+) -> int:
+    """Largest chunk size whose :func:`estimated_step_bytes` fits the budget (a ValueError if none does);
+    ``recompute`` and ``checkpoint_layers`` as there (None: the layers as the model runs them).
 
     The estimate grows with the size but for small steps down, so "largest" is local: the size returned
     fits and the next size up does not (docs/chunked_execution.md, "Memory budget and the automatic
@@ -671,7 +674,9 @@ def chunk_tokens_for_budget(model, tree: PrefixTree, memory_budget_bytes: int, r
     _check_tree(tree)
     recompute = _check_recompute(recompute)
     budget = _check_bytes(memory_budget_bytes, "memory_budget_bytes")
-    return _largest_fitting_plan(MemoryModel.of(model), _Forest.of(tree), budget, recompute).size
+    memory = MemoryModel.of(model)
+    checkpoint_layers = bool(_check_checkpoint_layers(checkpoint_layers, memory))
+    return _largest_fitting_plan(memory, _Forest.of(tree), budget, recompute, checkpoint_layers=checkpoint_layers).size
 
 
 def _size(num_bytes: float) -> str:
@@ -1119,9 +1124,17 @@ def tree_backward(
     [N, Lmax-1] (the layout of ``tree_logprobs``) and the detached total loss.
     """
     _check_tree(tree)
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        # the chunks' forwards would enable gradients, but not the loss terms: every .grad would stay 0
+        raise RuntimeError(
+            "tree_backward computes gradients, but gradients are disabled here (torch.no_grad() or "
+            "torch.inference_mode()): call it outside them, as loss.backward() would need"
+        )
     recompute = _check_recompute(recompute, allow_none=True)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, type):
+        raise TypeError(f"loss_fn is the class {loss_fn.__name__}: pass an instance (e.g. SFTLoss(tree.logprob_mask))")
     tree.validate(loss_fn)
     adapter = adapt(model)  # rejects unsupported models with a clear error
     if adapter.data_parallel is not None:
@@ -1207,12 +1220,14 @@ def _run_linearised_loss(engine: _Engine, loss_fn, scaled) -> torch.Tensor:
     start = engine.rng_state()
     engine.run_forward_only()
     total, g = _linearised_loss(loss_fn, engine.tree, engine.out, scaled)
+    after = engine.rng_state()  # past the forward's draws and loss_fn's own, as per-sequence training leaves it
     start.restore()  # the second pass draws the first's dropout masks: g is the gradient at its forward
 
     def seed(span, chunk_logprobs):
         return (g[pairs.seq[span], pairs.step[span]].to(chunk_logprobs.dtype) * chunk_logprobs).sum()
 
     engine.run(seed)
+    after.restore()
     return total
 
 
@@ -1229,11 +1244,9 @@ def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled):
     for i, n in enumerate((tree.lengths - 1).tolist()):
         lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
         term = loss_fn(i, lp_i)
-        if not isinstance(term, torch.Tensor) or term.numel() != 1:
-            raise ValueError(
-                f"loss_fn must return a scalar tensor; for sequence {i} it returned "
-                f"{type(term).__name__} {tuple(getattr(term, 'shape', ()))}"
-            )
+        if not isinstance(term, torch.Tensor) or term.numel() != 1 or term.is_complex():
+            what = f"a {term.dtype} tensor of shape {tuple(term.shape)}" if isinstance(term, torch.Tensor) else type(term).__name__
+            raise ValueError(f"loss_fn must return a real scalar tensor; for sequence {i} it returned {what}")
         leaves.append(lp_i)
         terms.append(term.reshape(()))
     differentiable = [t for t in terms if t.requires_grad]

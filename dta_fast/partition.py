@@ -79,6 +79,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dta_ref.attention import as_float
 from dta_ref.tree import PrefixTree
 
 from .tree import _range_min_table, _sort_with_lcp, _token_arrays
@@ -156,7 +157,7 @@ class CostModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise TypeError(f"CostModel.{name} must be a number, got {type(value).__name__}")
-            value = float(value)
+            value = as_float(value)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{name} must be finite and non-negative, got {value}")
             object.__setattr__(self, name, value)
@@ -193,8 +194,8 @@ class CostModel:
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            if not math.isfinite(as_float(value)) or value <= 0:
+                raise ValueError(f"{name} must be finite and positive, got {value}")
         return cls(1.0, _pair_weight(num_params, num_layers, num_heads, head_dim), sequence, constant)
 
     def of_stats(self, stats: TreeStats) -> float:
@@ -229,7 +230,7 @@ class CostModel:
             batch, seconds = sample
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)):
                 raise TypeError(f"sample {k}: seconds must be a number, got {type(seconds).__name__}")
-            if not math.isfinite(seconds) or seconds < 0:
+            if not math.isfinite(as_float(seconds)) or seconds < 0:
                 raise ValueError(f"sample {k}: seconds must be finite and non-negative, got {seconds}")
             s = tree_stats(batch)
             rows.append([s.unique_tokens, s.attention_pairs, s.num_sequences, 1.0])
@@ -560,7 +561,7 @@ def _check_slacks(slack) -> tuple[float, ...]:
     for value in values:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"slack must be a number or a list of numbers, got {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
+        if not (math.isfinite(as_float(value)) and value > 0):
             raise ValueError(f"slack must be finite and positive, got {value}")
     return tuple(float(v) for v in values)
 

@@ -114,6 +114,14 @@ class ModelAdapter:
         return self.core.lm_head if not self.is_hf else self.core.get_output_embeddings()
 
     @property
+    def num_logits(self) -> int | None:
+        """How many logits the output head gives (its ``out_features``, through PEFT's wrapper), or None
+        where it does not say."""
+        head = self.head
+        base = head.get_base_layer() if callable(getattr(head, "get_base_layer", None)) else head
+        return getattr(base, "out_features", None)
+
+    @property
     def embedding(self) -> nn.Embedding:
         return self.core.embed if not self.is_hf else self.core.get_input_embeddings()
 

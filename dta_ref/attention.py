@@ -111,14 +111,20 @@ def attention(q, k, v, mask, scale=None):
     return out.to(q.dtype)
 
 
+def as_float(value: numbers.Real) -> float:
+    """A real number as a float, an int past float's range as an infinity (``float`` raises there), so
+    that a check of finiteness refuses it with its own message."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_scale(scale, limit: float = math.inf) -> float:
     """``scale`` as a float, or a clear error: a real number, finite, at most ``limit`` in size."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    try:
-        value = float(scale)
-    except OverflowError:  # an int past float's range
-        value = math.inf
+    value = as_float(scale)
     if not (math.isfinite(value) and abs(value) <= limit):
         bound = "" if limit == math.inf else f" and at most {limit:g} in size"
         raise ValueError(f"scale must be finite{bound}, got {scale}")

@@ -9,6 +9,7 @@ position; autograd then sums the gradients of shared positions exactly.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapter import adapt
-from .attention import attention, tree_attention_mask
+from .attention import as_float, attention, tree_attention_mask
 from .tree import PrefixTree, _as_token_list
 
 
@@ -60,7 +61,7 @@ MIN_TEMPERATURE = 1e-20
 def check_temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (temperature >= MIN_TEMPERATURE and np.isfinite(temperature)):
+    if not (temperature >= MIN_TEMPERATURE and math.isfinite(as_float(temperature))):
         raise ValueError(f"temperature must be positive and finite (at least {MIN_TEMPERATURE:g}), got {temperature}")
     return float(temperature)
 

@@ -20,6 +20,8 @@ import numbers
 
 import torch
 
+from .attention import as_float
+
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
 
 
@@ -49,7 +51,7 @@ def _check_real(name: str, value) -> float:
     """A finite real number, as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    value = as_float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .attention import attention, mask_from_subtree_end
+from .attention import as_float, attention, mask_from_subtree_end
 from .adapter import adapt
 from .logprobs import MIN_TEMPERATURE, logprob_dtype
 from .tree import _as_token_list
@@ -109,11 +109,18 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
         raise ValueError(f"prompts: {e}") from None
     except TypeError as e:
         raise TypeError(f"prompts: {e}") from None
-    adapt(model).check_token_ids(torch.tensor([max(p) for p in prompts]))
+    adapter = adapt(model)
+    adapter.check_token_ids(torch.tensor([max(p) for p in prompts]))
+    logits = adapter.num_logits
+    if logits is not None and logits > adapter.vocab_size:
+        raise ValueError(
+            f"the model's output head gives {logits} logits but its embedding has {adapter.vocab_size} rows: a "
+            f"sampled id past {adapter.vocab_size - 1} could not be fed back; resize one to match the other"
+        )
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or not (temperature == 0 or temperature >= MIN_TEMPERATURE):
+    if not math.isfinite(as_float(temperature)) or not (temperature == 0 or temperature >= MIN_TEMPERATURE):
         raise ValueError(
             f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (below, the scaled logits "
             f"overflow), got {temperature}"
@@ -144,7 +151,10 @@ def _check_eos(model, eos_token_id) -> frozenset[int]:
         ids = [_check_int("eos_token_id", eos_token_id, 0)]  # a bool is refused there
     else:
         raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}")
-    adapt(model).check_token_ids(torch.tensor(ids))
+    vocab = adapt(model).vocab_size
+    for e in ids:  # compared as ints: an id past int64 cannot become a tensor
+        if e >= vocab:
+            raise ValueError(f"eos_token_id {e} is out of range for a vocabulary of {vocab} tokens")
     return frozenset(ids)
 
 

@@ -529,6 +529,23 @@ LOSS_CASES += [
          "expected a PrefixTree"),
     case("recompute-a-string", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE), recompute="no"),
          TypeError, "recompute must be True, False or None"),
+    case("checkpoint-layers-a-string", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE),
+                                                                      checkpoint_layers="yes"),
+         TypeError, "checkpoint_layers must be True, False or None, got 'yes'"),
+    case("loss-the-class", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, dta_ref.SFTLoss), TypeError,
+         "loss_fn is the class SFTLoss: pass an instance"),
+    case("loss-complex", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, lambda i, lp: lp.sum() * 1j), ValueError,
+         "loss_fn must return a real scalar tensor; for sequence 0 it returned a torch.complex"),
+    case("loss-a-float", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, lambda i, lp: 1.0), ValueError,
+         "loss_fn must return a real scalar tensor; for sequence 0 it returned float"),
+    # ints past float's range: the checks' own errors, not an OverflowError from float()
+    case("budget-past-the-floats", lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), TREE, 10**400),
+         ValueError, "memory_budget_bytes must be a finite positive number"),
+    case("temperature-past-the-floats", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE),
+                                                                       temperature=10**400),
+         ValueError, "temperature must be positive and finite"),
+    case("cost-past-the-floats", lambda: dta_fast.CostModel(token=10**400), ValueError,
+         "CostModel.token must be finite and non-negative"),
 ]  # fmt: skip
 
 

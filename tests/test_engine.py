@@ -155,6 +155,57 @@ def test_memory_budget_chooses_chunks():
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
+def test_budget_sizing_counts_checkpointed_layers():
+    """chunk_tokens_for_budget sizes chunks as estimated_step_bytes and tree_backward's budget count them:
+    with the model's own gradient checkpointing (Hugging Face's), or checkpoint_layers=True."""
+    tree = PrefixTree.from_sequences(batch())
+    plain = tiny_decoder(torch.float64)
+    hf = tiny_hf_model("qwen2", torch.float64)
+    hf.gradient_checkpointing_enable()
+    hf.train()
+    for model, checkpoint_layers in ((hf, None), (plain, True)):
+        for size in (2, 7):
+            budget = dta_fast.estimated_step_bytes(model, tree, size, checkpoint_layers=checkpoint_layers)
+            chosen = dta_fast.chunk_tokens_for_budget(model, tree, budget, checkpoint_layers=checkpoint_layers)
+            assert chosen >= size
+            assert dta_fast.estimated_step_bytes(model, tree, chosen, checkpoint_layers=checkpoint_layers) <= budget
+            if chosen < tree.num_tokens:
+                assert dta_fast.estimated_step_bytes(model, tree, chosen + 1, checkpoint_layers=checkpoint_layers) > budget
+    with pytest.raises(TypeError, match="checkpoint_layers must be True, False or None"):
+        dta_fast.chunk_tokens_for_budget(plain, tree, 10**9, checkpoint_layers="yes")
+
+
+def test_refused_with_gradients_disabled():
+    """Under no_grad the chunks' forwards would enable gradients but the loss terms would not, and every
+    .grad would come back zero: refused, nothing written."""
+    tree = PrefixTree.from_sequences(batch())
+    model = tiny_decoder(torch.float64)
+    for mode in (torch.no_grad, torch.inference_mode):
+        for loss_fn in (SFTLoss(tree.logprob_mask), lambda i, lp: -lp.sum()):
+            with mode(), pytest.raises(RuntimeError, match="gradients are disabled here"):
+                dta_fast.tree_backward(model, tree, loss_fn)
+            assert all(p.grad is None for p in model.parameters())
+
+
+def test_generic_loss_leaves_the_generator_past_its_draws():
+    """A loss_fn that draws random numbers: after the call the generator is past those draws, as after
+    per-sequence training, not rewound to hand them out again (the second pass replays the forward's)."""
+    tree = PrefixTree.from_sequences(batch())
+    model = tiny_decoder(torch.float64)  # no dropout: its forward draws nothing
+    drawn = []
+
+    def loss_fn(i, lp):
+        drawn.append(torch.rand(()))
+        return -(lp.sum() * drawn[-1])
+
+    torch.manual_seed(5)
+    dta_fast.tree_backward(model, tree, loss_fn)
+    next_draw = torch.rand(())
+    torch.manual_seed(5)
+    stream = torch.rand(len(drawn) + 1)
+    assert torch.equal(torch.stack(drawn), stream[:-1]) and torch.equal(next_draw, stream[-1])
+
+
 def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
     """Where the budget is tight, a smaller logits window leaves room for larger chunks: the automatic
     choice takes one where that makes the plan cheaper, never a costlier plan than the default

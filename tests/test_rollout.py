@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -415,6 +416,7 @@ BAD = [
     ("negative-temperature", dict(temperature=-0.5), ValueError, "temperature must be"),
     ("subnormal-temperature", dict(temperature=1e-40), ValueError, "the scaled logits overflow"),
     ("nan-temperature", dict(temperature=float("nan")), ValueError, "temperature must be"),
+    ("int-temperature-past-floats", dict(temperature=10**400), ValueError, "temperature must be"),
     ("top-p-zero", dict(top_p=0.0), ValueError, "top_p must be in"),
     ("top-p-above-one", dict(top_p=1.5), ValueError, "top_p must be in"),
     ("top-k-zero", dict(top_k=0), ValueError, "top_k must be >= 1"),
@@ -423,6 +425,7 @@ BAD = [
     ("eos-list-negative", dict(eos_token_id=[3, -1]), ValueError, "eos_token_id must be >= 0"),
     ("eos-list-empty", dict(eos_token_id=[]), ValueError, "eos_token_id is an empty list"),
     ("eos-list-out-of-vocab", dict(eos_token_id=[3, 99]), ValueError, "out of range"),
+    ("eos-past-int64", dict(eos_token_id=[1, 2**64]), ValueError, "eos_token_id 18446744073709551616 is out of range"),
     ("eos-string", dict(eos_token_id="3"), TypeError, "eos_token_id must be an int, a list of ints or None"),
     ("generator-type", dict(generator=0), TypeError, "generator must be"),
 ]
@@ -440,6 +443,18 @@ def test_bad_input(model, sampler, change, exc, match):
         fn = PLAIN[sampler.split(".")[0]]
     with pytest.raises(exc, match=match):
         fn(model, args["prompts"], args["max_new_tokens"], **kwargs)
+
+
+@pytest.mark.parametrize("sampler", ["ref.sample", "fast.sample", "ref.speculative", "fast.speculative"])
+def test_head_with_more_logits_than_embedding_rows_is_refused(sampler):
+    """A sampled id the embedding has no row for could not be fed back: refused before any draw, not an
+    IndexError (a device-side assert on CUDA) at the first such draw."""
+    hf = tiny_hf_model("llama", torch.float32)
+    hf.lm_head = torch.nn.Linear(hf.config.hidden_size, hf.config.vocab_size + 16, bias=False)
+    engine, kind = sampler.split(".")
+    fn = functools.partial(SPECULATIVE[engine], cache=dta_ref.RolloutCache()) if kind == "speculative" else PLAIN[engine]
+    with pytest.raises(ValueError, match=f"output head gives {hf.config.vocab_size + 16} logits but its embedding"):
+        fn(hf, [[1, 2]], 2)
 
 
 @pytest.mark.parametrize("engine", ["ref", "fast"])
