@@ -1120,7 +1120,8 @@ def tree_backward(
     (without it they would arrive unscaled and be divided by the scale).
 
     Exact under gradient checkpointing of the model's layers (reentrant or
-    not). Returns ``(logprobs, loss)``: detached per-sequence logprobs
+    not). Needs gradients enabled, as ``loss.backward()`` does: under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` it raises. Returns ``(logprobs, loss)``: detached per-sequence logprobs
     [N, Lmax-1] (the layout of ``tree_logprobs``) and the detached total loss.
     """
     _check_tree(tree)
