@@ -506,7 +506,7 @@ BAD = [
     case("cost-all-zero", lambda: CostModel(token=0, pair=0), ValueError, "at least one positive"),
     case("cost-str", lambda: CostModel(sequence="1"), TypeError, "CostModel.sequence must be a number"),
     case(
-        "for-model-zero-layers", lambda: CostModel.for_model(1e9, 0, 16, 128), ValueError, "num_layers must be positive"
+        "for-model-zero-layers", lambda: CostModel.for_model(1e9, 0, 16, 128), ValueError, "num_layers must be finite and positive"
     ),
     case("method-unknown", lambda: partition([[1]], 1, method="greedy"), ValueError, "method must be 'best'"),
     case("fit-no-samples", lambda: CostModel.fit([]), ValueError, "at least one"),
