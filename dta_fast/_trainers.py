@@ -22,12 +22,20 @@ def block_logprobs_and_entropy(
     One prefix tree of the rows, one packed forward; only the block's tokens
     are projected onto the vocabulary (by ``vocab_head``, see
     :func:`dta_fast.logprobs.gather_logprobs_chunked`). Also returns the tree
-    (its compression ratio is worth logging).
+    (its compression ratio is worth logging). A row whose block has a token
+    but nothing before it is refused: that token has no context to be
+    scored from (a logprob of 0 would read as a certain token).
     """
     temperature = check_temperature(temperature)
     layout = PaddedLayout.of(attention_mask)
-    tree = build_tree(layout.sequences(input_ids))
     block = attention_mask[:, first_column:].bool()
+    no_prompt = (layout.start.to(block.device) >= first_column) & block.any(1)
+    if no_prompt.any():
+        raise ValueError(
+            f"row {int(no_prompt.nonzero()[0])} has no prompt token: its first response token has no context to "
+            "be scored from"
+        )
+    tree = build_tree(layout.sequences(input_ids))
     wanted = layout.to_tree(block, first_column, fill=False)
     # the kernel on CUDA; elsewhere the reference attention (trainers on CPU are tests and small runs)
     packed_hidden = _packed_hidden if adapt(model).device.type == "cuda" else reference_packed_hidden

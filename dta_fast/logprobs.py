@@ -283,10 +283,11 @@ def gather_logprobs_chunked(
             f"hidden must be the tree's packed hidden states [{tree.num_tokens}, hidden], got "
             f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}"
         )
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)):
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))):
         raise TypeError(f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    chunk_rows = None if chunk_rows is None else int(chunk_rows)
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     pairs = LogprobPairs.of(tree, mask)
     if vocab_head is not None and _fusable(head):

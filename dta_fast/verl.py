@@ -69,12 +69,6 @@ def verl_log_probs(
     real = attention_mask.bool().to(position_ids.device)
     if not torch.equal(position_ids[real], depth[real]):
         raise ValueError("position_ids must count the tokens of each row from 0 (verl's text positions)")
-    no_prompt = (layout.start >= width - response_length) & attention_mask[:, width - response_length :].bool().any(1)
-    if no_prompt.any():
-        raise ValueError(
-            f"row {int(no_prompt.nonzero()[0])} has no prompt token: its first response token has no context to "
-            "be scored from"
-        )
     log_probs, entropy, _ = block_logprobs_and_entropy(
         model, input_ids, attention_mask, width - response_length, temperature
     )

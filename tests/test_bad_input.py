@@ -557,3 +557,11 @@ def SFTLoss_of(tree):
 def test_losses_reject(fn, exc, match):
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_numpy_integers_are_taken_as_ints():
+    """A chunk size read from a config or an array (numpy's integers) is an int, as the engine's own
+    sizes take it."""
+    got = dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=np.int64(2))
+    want = dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=2)
+    assert torch.equal(got, want)

@@ -90,6 +90,18 @@ def test_verl_layout_errors(change, message):
         verl_log_probs(model, *change(verl_micro_batch(PROMPTS, RESPONSES)))
 
 
+def test_shared_scoring_refuses_a_row_without_a_prompt():
+    """The scoring TreeGRPOTrainer shares with verl (block_logprobs_and_entropy) refuses a completion with
+    nothing before it, as verl_log_probs does: its first token has no context, and a logprob of 0 would
+    read as a certain token (ratio 1, no gradient)."""
+    from dta_fast._trainers import block_logprobs_and_entropy
+
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa")
+    input_ids, mask, _, responses = _without_a_prompt(verl_micro_batch(PROMPTS, RESPONSES))
+    with pytest.raises(ValueError, match="row 5 has no prompt token"):
+        block_logprobs_and_entropy(model, input_ids, mask, input_ids.shape[1] - responses.shape[1])
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_verl_log_probs_under_autocast(family):
     """verl's actor (and TRL with bf16=True) scores a float32 model under bfloat16 autocast, where RoPE
