@@ -83,7 +83,7 @@ def _check_same_batch(mine: list[int], rank0: list[int]) -> None:
 def _shared_plan(sequences, world, cost_model, plan, rank, group):
     """Rank 0 partitions (or checks the given plan) and sends it (or its error) to all, so ranks agree
     and none waits forever; with it, the fingerprints of its batch (``_check_same_batch``)."""
-    message = [None]
+    message, interrupt = [None], None
     if rank == 0:
         try:
             if plan is None:
@@ -91,10 +91,14 @@ def _shared_plan(sequences, world, cost_model, plan, rank, group):
             else:
                 shards = _checked_shards(plan, len(sequences), world)
             message[0] = ("ok", (shards, _fingerprints(sequences)))
-        except Exception as error:  # any: the other ranks are waiting in the broadcast below
+        except BaseException as error:  # any: the other ranks are waiting in the broadcast below
             message[0] = (type(error).__name__, str(error))
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: itself here, after the others learn
+                interrupt = error
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(message, src=src, group=group)
+    if interrupt is not None:
+        raise interrupt
     status, payload = message[0]
     if status in ("TypeError", "ValueError"):
         raise (TypeError if status == "TypeError" else ValueError)(payload)
@@ -179,6 +183,8 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of group: call distributed_tree_backward on its ranks only")
     shards, rank0_batch = _shared_plan(sequences, world, cost_model, plan, rank, group)
     shard = shards[rank]
 

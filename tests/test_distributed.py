@@ -199,6 +199,23 @@ def _empty_shard_worker(rank, world, init_file):
         mask[2, 3] = True  # past the end of sequence 2
         with pytest.raises(ValueError, match="step 3 of sequence 2"):
             dta_fast.distributed_tree_backward(_model("decoder"), sequences, dta_ref.SFTLoss(mask), plan=[[0, 2], [1]])
+        # an interrupt while rank 0 plans stays itself there, and the others learn of it rather than wait
+        import dta_fast.distributed as distributed
+
+        planned = distributed.partition
+        if rank == 0:
+            distributed.partition = lambda *args: (_ for _ in ()).throw(KeyboardInterrupt("stop"))
+        try:
+            expected = (KeyboardInterrupt, "stop") if rank == 0 else (RuntimeError, "on rank 0 while planning: Keyboard")
+            with pytest.raises(expected[0], match=expected[1]):
+                dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum())
+        finally:
+            distributed.partition = planned
+        # a rank outside the group is told so
+        alone = dist.new_group([0])
+        if rank == 1:
+            with pytest.raises(ValueError, match="not a member of group"):
+                dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(), group=alone)
     finally:
         _destroy_group()
 
