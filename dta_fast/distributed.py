@@ -22,6 +22,7 @@ import contextlib
 import operator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -56,12 +57,39 @@ def _checked_shards(plan, num_sequences, world) -> list[list[int]]:
     if not isinstance(shards, (list, tuple)) or len(shards) != world:
         raise ValueError(f"plan must give one list of sequence indices per rank ({world}), got {shards!r:.80}")
     try:
-        shards = [[operator.index(i) for i in shard] for shard in shards]
+        shards = [[_index(i) for i in shard] for shard in shards]
     except TypeError:
         raise TypeError(f"plan must hold integer sequence indices, got {shards!r:.80}") from None
     if sorted(i for shard in shards for i in shard) != list(range(num_sequences)):
         raise ValueError(f"plan must place each of the {num_sequences} sequences on exactly one rank")
     return shards
+
+
+def _index(i) -> int:
+    """An integer index; a bool (True is 1 to ``operator.index``) is a mistake, not sequence 1."""
+    if isinstance(i, (bool, np.bool_)) or (isinstance(i, torch.Tensor) and i.dtype == torch.bool):
+        raise TypeError("a bool is not a sequence index")
+    return operator.index(i)
+
+
+def _trainable(model) -> list[tuple[str, tuple, str]]:
+    """Name, shape and dtype of each trainable parameter: what every rank's model must agree on, since
+    each one is all-reduced (a mismatch would abort or hang the collective, not raise). Not a module:
+    none here; ``prepare`` names the mistake."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _check_same_trainable(mine: list, rank0: list) -> None:
+    """A clear error where this rank's trainable parameters are not rank 0's (``_trainable`` of each)."""
+    for (name, shape, dtype), (name0, shape0, dtype0) in zip(mine, rank0):
+        if (shape, dtype) != (shape0, dtype0):
+            raise ValueError(f"trainable parameter {name!r} is {list(shape)} {dtype} here, {name0!r} {list(shape0)} "
+                             f"{dtype0} on rank 0: every rank must train the same model")  # fmt: skip
+    if len(mine) != len(rank0):
+        raise ValueError(f"this rank's model has {len(mine)} trainable parameters, rank 0's {len(rank0)}: every "
+                         "rank must train the same parameters (requires_grad alike)")  # fmt: skip
 
 
 def _fingerprints(sequences) -> list[int]:
@@ -80,9 +108,10 @@ def _check_same_batch(mine: list[int], rank0: list[int]) -> None:
             raise ValueError(f"sequence {i} differs from rank 0's: every rank must pass the same full batch")
 
 
-def _shared_plan(sequences, world, cost_model, plan, rank, group):
+def _shared_plan(model, sequences, world, cost_model, plan, rank, group):
     """Rank 0 partitions (or checks the given plan) and sends it (or its error) to all, so ranks agree
-    and none waits forever; with it, the fingerprints of its batch (``_check_same_batch``)."""
+    and none waits forever; with it, the fingerprints of its batch (``_check_same_batch``) and its
+    trainable parameters (``_check_same_trainable``)."""
     message, interrupt = [None], None
     if rank == 0:
         try:
@@ -90,7 +119,7 @@ def _shared_plan(sequences, world, cost_model, plan, rank, group):
                 shards = partition(sequences, world, cost_model).shards
             else:
                 shards = _checked_shards(plan, len(sequences), world)
-            message[0] = ("ok", (shards, _fingerprints(sequences)))
+            message[0] = ("ok", (shards, _fingerprints(sequences), _trainable(model)))
         except BaseException as error:  # any: the other ranks are waiting in the broadcast below
             message[0] = (type(error).__name__, str(error))
             if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: itself here, after the others learn
@@ -185,13 +214,14 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this process is not a member of group: call distributed_tree_backward on its ranks only")
-    shards, rank0_batch = _shared_plan(sequences, world, cost_model, plan, rank, group)
+    shards, rank0_batch, rank0_trainable = _shared_plan(model, sequences, world, cost_model, plan, rank, group)
     shard = shards[rank]
 
     def prepare():
         """This rank's checks before any gradient collective: its batch, the module, its shard's tree and loss."""
         if rank != 0:
             _check_same_batch(_fingerprints(sequences), rank0_batch)
+            _check_same_trainable(_trainable(model), rank0_trainable)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
         module, no_sync = _unwrap(model)
@@ -229,6 +259,10 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
             return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, dtype=dtype, device=device)
         with no_sync:
             logprobs, loss = tree_backward(module, tree, local_fn, **options)
+        for name, p in module.named_parameters():
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise ValueError(f"parameter {name!r} got a sparse gradient (e.g. nn.Embedding(sparse=True)): "
+                                 "distributed_tree_backward all-reduces dense gradients; build it with sparse=False")  # fmt: skip
         return loss.detach().double(), logprobs
 
     if is_fsdp2(module):  # FSDP2 reduce-scatters once, at the end, adding to the .grad already there

@@ -181,7 +181,7 @@ def _empty_shard_worker(rank, world, init_file):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2], [3]], lambda i, lp: lp.sum(), plan=[[0], [0, 2]])
         with pytest.raises(ValueError, match="one list of sequence indices per rank"):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(), plan=[[0, 1]])
-        for index in (1.9, float("inf")):  # not truncated, and no rank left waiting in the plan's broadcast
+        for index in (1.9, float("inf"), True):  # not truncated or read as 1; no rank left waiting in the broadcast
             with pytest.raises(TypeError, match="integer sequence indices"):
                 dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(),
                                                    plan=[[0], [index]])  # fmt: skip
@@ -600,6 +600,28 @@ def _check_errors_agreed(rank, world):
     with pytest.raises(expected[0], match=expected[1]):
         dta_fast.distributed_tree_backward(model, sequences, exits, plan=shards, max_chunk_tokens=6)
     assert time.monotonic() - start < 20, "the ranks took too long to agree"
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)
+    # models that would pair collectives of other shapes, or another number of them, are refused first
+    weight = model.embed.weight
+    for change, match in [
+        (lambda: weight.requires_grad_(rank == 0), r"rank 1: ValueError: trainable parameter 'layers.0.*' is .* "
+                                                   r"here, 'embed.weight' \[64, 32\] torch.float64 on rank 0"),
+        (lambda: setattr(weight, "data", weight.data.to(torch.float64 if rank == 0 else torch.float32)),
+         r"rank 1: ValueError: trainable parameter 'embed.weight' is \[64, 32\] torch.float32 here"),
+    ]:
+        change()
+        with pytest.raises(ValueError, match=match):
+            dta_fast.distributed_tree_backward(model, sequences, good, plan=shards)
+        weight.requires_grad_(True)
+        weight.data = weight.data.double()
+        for p, g in zip(model.parameters(), before):
+            assert torch.equal(p.grad, g)
+    # a sparse gradient on rank 0 while rank 1's shard is empty: refused on both, not a hang in the reduction
+    model.embed.sparse = True
+    with pytest.raises(ValueError, match=r"rank 0: ValueError: parameter 'embed.weight' got a sparse gradient"):
+        dta_fast.distributed_tree_backward(model, sequences, good, plan=[list(range(len(sequences))), []])
+    model.embed.sparse = False
     for p, g in zip(model.parameters(), before):
         assert torch.equal(p.grad, g)
     # the collectives stayed paired: a good call afterwards works on every rank
