@@ -1032,7 +1032,7 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     Hkv, Tk = k.shape[1], k.shape[2]
     BM, BN = _blocks("dkdv", q)
     end = schedule.subtree_end
-    heads_per_row = B // end.shape[0] * Hkv
+    heads_per_row = B // max(end.shape[0], 1) * Hkv  # an empty batch may bring an empty [0, Tk] tree
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     splits = _dkdv_splits(B, Hkv, Tk, D, Hq // Hkv, q.device)
     if splits == 1:
@@ -1245,6 +1245,8 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         schedule = build_schedule(subtree_end.to(q.device), Tq)
     elif subtree_end is not None:
         raise ValueError("pass either subtree_end or schedule, not both")
+    elif not isinstance(schedule, TreeSchedule):
+        raise TypeError(f"schedule must be a TreeSchedule (from build_schedule), got {type(schedule).__name__}")
     if schedule.num_keys != Tk or schedule.num_queries != Tq:
         raise ValueError(
             f"tree metadata covers {schedule.num_keys} keys / {schedule.num_queries} queries, "

@@ -54,7 +54,9 @@ def autocast_inputs(q, k, v):
     k back to float32), else as they are."""
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
-        return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in (q, k, v))
+        # float64 stays itself, as autocast leaves it (the float64 ground truth keeps its digits)
+        cast = (lambda x: isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64)
+        return tuple(x.to(dtype) if cast(x) else x for x in (q, k, v))
     return q, k, v
 
 
@@ -100,12 +102,13 @@ def attention(q, k, v, mask, scale=None):
     if not bool(mask.any(dim=-1).all()):
         raise ValueError("mask has a query row with no allowed key; softmax over it is undefined")
 
-    scale = 1.0 / math.sqrt(D) if scale is None else check_scale(scale)
+    # Low-precision inputs are computed in float32, as every fused kernel does.
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    # a scale past the compute dtype's range would make every score inf, and the softmax NaN
+    scale = 1.0 / math.sqrt(D) if scale is None else check_scale(scale, torch.finfo(compute).max)
     group = Hq // Hkv
     k = repeat(k, "b h t d -> b (h g) t d", g=group)
     v = repeat(v, "b h t d -> b (h g) t d", g=group)
-    # Low-precision inputs are computed in float32, as every fused kernel does.
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     with torch.autocast(q.device.type, enabled=False):  # in ``compute``, not in autocast's dtype
         out = _MaskedAttention.apply(q.to(compute), k.to(compute), v.to(compute), mask, scale)
     return out.to(q.dtype)

@@ -8,6 +8,15 @@ from __future__ import annotations
 import numpy as np
 
 
+def _check_sizes(**sizes: tuple[int, int]) -> None:
+    """Each ``name=(value, minimum)`` an int of at least ``minimum``, or a clear error naming it."""
+    for name, (value, minimum) in sizes.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < minimum:
+            raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
 def _tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
     return rng.integers(0, vocab_size, size=n).tolist()
 
@@ -22,6 +31,8 @@ def grpo_batch(
 ) -> list[list[int]]:
     """GRPO: per group one prompt of ``prompt_len`` tokens and ``num_responses``
     responses of ``response_len`` tokens; each rollout is prompt + response."""
+    _check_sizes(num_groups=(num_groups, 1), prompt_len=(prompt_len, 0), num_responses=(num_responses, 1),
+                 response_len=(response_len, 1), vocab_size=(vocab_size, 1))  # fmt: skip
     rng = np.random.default_rng(seed)
     batch = []
     for _ in range(num_groups):
@@ -51,6 +62,11 @@ def agentic_batch(
     samples of one rollout are prefixes of each other. With
     ``every_turn=False`` each rollout is one sample, its whole context.
     """
+    _check_sizes(system_len=(system_len, 0), num_tasks=(num_tasks, 1), task_len=(task_len, 0),
+                 rollouts_per_task=(rollouts_per_task, 1), turns=(turns, 1), assistant_len=(assistant_len, 1),
+                 tool_len=(tool_len, 0), vocab_size=(vocab_size, 1))  # fmt: skip
+    if not isinstance(every_turn, (bool, np.bool_)):
+        raise TypeError(f"every_turn must be a bool, got {type(every_turn).__name__}")
     rng = np.random.default_rng(seed)
     system = _tokens(rng, system_len, vocab_size)
     batch = []

@@ -38,6 +38,11 @@ def _check_floating(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 
+def _is_integer(x: torch.Tensor) -> bool:
+    """An integer dtype; bool is not one."""
+    return not (x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex)
+
+
 def _check_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     """The loss mask as bool: a bool tensor, or numbers that are all 0 or 1."""
     if loss_mask.dtype == torch.bool:
@@ -112,7 +117,10 @@ def token_weights(loss_mask: torch.Tensor, normalization: str = "token_mean") ->
 
 
 def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=None, dual_clip=None):
-    """Per-token PPO-clip terms -min(r A, clip(r, 1-low, 1+high) A) [N, L].
+    """Per-token PPO-clip terms -min(r A, clip(r, 1-low, 1+high) A), in logprobs' shape.
+
+    ``old_logprobs`` has logprobs' shape; ``advantages`` too, or [N] (one per
+    sequence) for logprobs [N, L].
 
     ``clip_high`` defaults to ``clip_low`` (PPO/GRPO); a larger one is DAPO's
     clip-higher. ``dual_clip`` (c > 1) bounds the loss of negative-advantage
@@ -122,7 +130,13 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     clip_high = clip_low if clip_high is None else _check_clip("clip_high", clip_high)
     if dual_clip is not None and _check_real("dual_clip", dual_clip) <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if advantages.dim() == 1:
+    for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
+        _check_padded(name, x)
+    _check_padded("old_logprobs", old_logprobs, logprobs.shape)  # broadcast, they would pair other tokens
+    if advantages.shape != logprobs.shape:
+        if logprobs.dim() != 2 or advantages.shape != logprobs.shape[:1]:
+            raise ValueError(f"advantages must have logprobs' shape {tuple(logprobs.shape)}, or be [N] one per "
+                             f"sequence of logprobs [N, L]; got shape {tuple(advantages.shape)}")  # fmt: skip
         advantages = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
@@ -150,12 +164,17 @@ def policy_gradient_loss(
     must be False past each sequence's last logprob (``tree.logprob_mask``
     and ``&`` with it are safe): this function cannot see the lengths, but
     ``tree_backward`` and :meth:`TokenLoss.__call__` refuse such a mask.
+    ``old_logprobs`` and ``advantages`` are constants of the loss, as in PPO
+    and as :class:`PolicyGradientLoss` holds them: no gradient flows into
+    them (an on-policy ``old_logprobs=logprobs`` gives the ratio's gradient,
+    not zero).
     """
     _check_padded("logprobs", logprobs)
     _check_floating("logprobs", logprobs)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, L], got shape {tuple(logprobs.shape)}")
     mask = _check_policy_inputs(old_logprobs, advantages, loss_mask, logprobs.shape)
+    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     weights = token_weights(mask, normalization).to(logprobs.dtype)
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand(logprobs.shape)
@@ -219,10 +238,16 @@ class TokenLoss:
         per-token inputs as [N, L, ...] tensors, or override this.
         """
         N, L = self.shape
-        index = torch.as_tensor(index, dtype=torch.long)
+        index = torch.as_tensor(index)
+        if index.numel() and (index.dtype == torch.bool or not _is_integer(index)):
+            # a bool mask would be read as indices 0 and 1, floats truncated: rows of other sequences
+            raise TypeError(f"index must be integer sequence indices, got dtype {index.dtype}")
+        index = index.long()
         if index.dim() != 1 or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < N)):
             raise ValueError(f"index must be 1-D sequence indices in [0, {N}), got {index.tolist()}")
-        width = L if width is None else width
+        if width is not None and (isinstance(width, bool) or not isinstance(width, numbers.Integral)):
+            raise TypeError(f"width must be an int, got {type(width).__name__}")
+        width = L if width is None else int(width)
         if not 0 <= width <= L:
             raise ValueError(f"width must be between 0 and {L}, got {width}")
         picked = copy.copy(self)
@@ -251,6 +276,9 @@ class TokenLoss:
         last next-token logprob may carry weight (a mask True there would count
         in the normalisation a token that has no logprob).
         """
+        if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or not _is_integer(lengths):
+            raise TypeError(f"lengths must be a 1-D integer tensor, got {getattr(lengths, 'dtype', type(lengths))} "
+                            f"of shape {tuple(getattr(lengths, 'shape', ()))}")  # fmt: skip
         expected = (lengths.numel(), int(lengths.max()) - 1 if lengths.numel() else 0)
         if self.shape != expected:
             raise ValueError(f"loss_fn was built for logprobs of shape {self.shape}, the tree has {expected}")

@@ -210,7 +210,32 @@ ATTENTION_CASES = [
         "no allowed key",
     ),
     case("tree-mask-of-list", lambda: dta_ref.tree_attention_mask([[1, 2]]), TypeError, "expected a PrefixTree"),
+    case("schedule-not-a-schedule", lambda: dta_fast.tree_attention(Q.float(), K.float(), V.float(), schedule=torch.tensor([5] * 5)),
+         TypeError, "schedule must be a TreeSchedule"),  # fmt: skip
 ]
+
+BATCH_CASES = [
+    case("grpo-negative-groups", lambda: dta_ref.grpo_batch(num_groups=-1), ValueError, "num_groups must be at least 1"),
+    case("grpo-bool-vocab", lambda: dta_ref.grpo_batch(1, 4, 2, 3, vocab_size=True), TypeError, "vocab_size must be an int"),
+    case("grpo-float-vocab", lambda: dta_ref.grpo_batch(1, 4, 2, 3, vocab_size=2.5), TypeError, "vocab_size must be an int"),
+    case("grpo-empty-rollouts", lambda: dta_ref.grpo_batch(1, 0, 2, 0), ValueError, "response_len must be at least 1"),
+    case("agentic-no-turns", lambda: dta_ref.agentic_batch(turns=0), ValueError, "turns must be at least 1"),
+    case("agentic-every-turn-str", lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, every_turn="no"), TypeError,
+         "every_turn must be a bool"),  # fmt: skip
+    case("agentic-negative-tool", lambda: dta_ref.agentic_batch(tool_len=-1), ValueError, "tool_len must be at least 0"),
+]
+
+
+@pytest.mark.parametrize("fn,exc,match", BATCH_CASES)
+def test_batches_reject(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def test_batches_take_numpy_sizes():
+    batch = dta_ref.grpo_batch(np.int64(2), 0, np.int32(2), 3, vocab_size=np.int64(5))
+    assert len(batch) == 4 and all(len(s) == 3 and max(s) < 5 for s in batch)
+    assert len(dta_ref.agentic_batch(2, 1, 1, 1, 2, 1, 1, every_turn=np.bool_(False))) == 1
 
 
 @pytest.mark.parametrize("fn,exc,match", ATTENTION_CASES)

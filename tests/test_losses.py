@@ -262,3 +262,49 @@ def test_token_loss_rows_is_the_loss_of_those_sequences(nested):
     assert torch.allclose(pg.rows([0])(0, LOGPROBS[0]) + pg.rows([1])(0, LOGPROBS[1]), whole, rtol=1e-14)
     with pytest.raises(ValueError, match="width"):
         pg.rows([0], 4)
+    # a bool mask or floats would be read as other rows (indices 0 and 1, truncated), not refused
+    for index in (torch.tensor([False, True]), [True], [1.0], torch.tensor([0.9])):
+        with pytest.raises(TypeError, match="integer sequence indices"):
+            pg.rows(index)
+    for width in (True, 2.0):
+        with pytest.raises(TypeError, match="width must be an int"):
+            pg.rows([0], width)
+    assert pg.rows([]).shape == (0, 3) and pg.rows(torch.tensor([1], dtype=torch.int32), 2).shape == (1, 2)
+    for lengths, match in (([4, 3], "1-D integer tensor"), (torch.tensor([[4], [3]]), "1-D integer tensor"),
+                           (torch.tensor([4.0, 3.5]), "1-D integer tensor")):  # fmt: skip
+        with pytest.raises(TypeError, match=match):
+            pg.check_lengths(lengths)
+    pg.check_lengths(torch.tensor([4, 4]))
+
+
+def test_old_logprobs_and_advantages_are_constants():
+    """As PolicyGradientLoss holds them: on-policy (old = logprobs, not detached) the gradient is the
+    ratio's, not 0, and none reaches advantages built from something trainable."""
+    from dta_ref import PolicyGradientLoss
+
+    logprobs = LOGPROBS.clone().requires_grad_()
+    values = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    advantages = ADV + values  # e.g. returns minus a critic's values, not detached
+    loss = policy_gradient_loss(logprobs, logprobs, advantages, MASK, normalization="sum")
+    loss.backward()
+    assert values.grad is None or not values.grad.any()
+    # ratio 1, unclipped: d/dlogprob of -r A is -A at every masked-in token
+    torch.testing.assert_close(logprobs.grad, torch.where(MASK, -ADV[:, None], 0.0).to(torch.float64))
+    twin = PolicyGradientLoss(logprobs, advantages, MASK, normalization="sum")
+    grads = torch.autograd.grad(sum(twin(i, logprobs[i, :3]) for i in range(2)), logprobs)[0]
+    torch.testing.assert_close(grads, logprobs.grad, rtol=0, atol=0)
+
+
+def test_terms_check_their_shapes():
+    """One sequence's [L] logprobs with per-token [L] advantages stay [L] (not an [L, L] table); logprobs
+    of another shape than the old ones are refused, not broadcast."""
+    old = torch.zeros(3, dtype=torch.float64)
+    terms = clipped_policy_gradient_terms(LOGPROBS[1], old, torch.full((3,), -2.0, dtype=torch.float64))
+    assert terms.shape == (3,)
+    torch.testing.assert_close(terms, TERMS[1], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="old_logprobs has shape"):
+        clipped_policy_gradient_terms(LOGPROBS, old, ADV)
+    with pytest.raises(ValueError, match="advantages must have logprobs' shape"):
+        clipped_policy_gradient_terms(LOGPROBS[1], old, ADV)
+    with pytest.raises(TypeError, match="advantages must be a tensor"):
+        clipped_policy_gradient_terms(LOGPROBS, LOGPROBS, 1.0)

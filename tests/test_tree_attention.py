@@ -320,11 +320,13 @@ def test_schedule_keeps_the_tree_it_was_built_from():
     assert not torch.equal(after, tree_attention(q, k, v, end))  # the tree written since differs
 
 
-def test_empty_batch_with_gqa():
-    q, k, v = (x.requires_grad_() for x in make_qkv(0, 4, 2, 6, 6, 16, torch.float32))
-    out = tree_attention(q, k, v, torch.full((6,), 6, device=DEVICE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree_shape", [(6,), (0, 6)])  # one tree shared by no rows; one tree per row, of none
+def test_empty_batch_with_gqa(tree_shape, dtype):
+    q, k, v = (x.requires_grad_() for x in make_qkv(0, 4, 2, 6, 6, 16, dtype))
+    out = tree_attention(q, k, v, torch.full(tree_shape, 6, device=DEVICE))
     out.sum().backward()
-    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 @pytest.mark.parametrize("loss", ["square", "linear"])
@@ -362,6 +364,30 @@ def test_twins_under_autocast():
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+
+
+def test_float64_under_autocast_stays_float64():
+    """Autocast leaves float64 alone (SDPA's inputs too): the float64 reference keeps its digits under it,
+    and the kernels refuse float64 there as they do outside it."""
+    import torch.nn.functional as F
+
+    from dta_ref import attention
+
+    end = torch.tensor([5, 3, 3, 5, 5], device=DEVICE)
+    q, k, v = make_qkv(1, 2, 1, 5, 5, 16, torch.float64)
+    mask = dta_fast_mask(end, 5)
+    truth = attention(q, k, v, mask)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        ref = attention(q, k, v, mask)
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+        with pytest.raises(TypeError, match="float64"):
+            tree_attention(q, k, v, end)
+    assert ref.dtype == sdpa.dtype == torch.float64
+    torch.testing.assert_close(ref, truth, rtol=0, atol=0)
+    torch.testing.assert_close(sdpa, truth, rtol=1e-12, atol=1e-12)
+    # a scale past float32's range would make every float32 score inf: refused, as by the kernels
+    with pytest.raises(ValueError, match="scale must be finite and at most"):
+        attention(q.float(), k.float(), v.float(), mask, scale=1e39)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 path")
