@@ -185,6 +185,10 @@ class HeadRows(NamedTuple):
         are read back)."""
         unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
         num = unique.numel()
+        if num > 1 and not bool((unique[1:] > unique[:-1]).all()):
+            # the head's backward writes each window's rows' gradients in place: a row twice would lose one
+            raise ValueError("rows must be sorted ascending")
+        chunk_rows = min(chunk_rows, max(num, 1))  # no window is larger than all rows (sys.maxsize: one window)
         bounds = torch.arange(0, num + chunk_rows, chunk_rows, device=rows.device).clamp(max=num)
         return cls(unique, inverse, _windows(bounds.tolist(), torch.searchsorted(inverse, bounds).tolist()))
 
@@ -245,7 +249,10 @@ def head_logprobs(
     unique, inverse, windows = head_rows
     if inverse.numel() == 0:
         out = hidden.new_zeros((2, 0) if entropy else (0,), dtype=dtype)
-        return out + 0.0 * hidden.sum() if hidden.requires_grad else out  # attached to the graph, as dta_ref is
+        # attached to the graph, as dta_ref's is: a zero gradient for the hidden states and the head, not None
+        for x in (hidden, *(head.parameters() if isinstance(head, torch.nn.Module) else ())):
+            out = out + 0.0 * x.sum() if torch.is_grad_enabled() and x.requires_grad else out
+        return out
     if _fusable(head):
         # in the weight's dtype, autocast or not: the backward recomputes the logits as the forward made them
         with torch.autocast(hidden.device.type, enabled=False):
@@ -278,6 +285,7 @@ def gather_logprobs_chunked(
     """
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"tree must be a PrefixTree, got {type(tree).__name__}")
+    tree.validate()  # free for a tree from the builders
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != tree.num_tokens:
         raise ValueError(
             f"hidden must be the tree's packed hidden states [{tree.num_tokens}, hidden], got "

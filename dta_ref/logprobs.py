@@ -96,6 +96,9 @@ def gather_tree_logprobs(
 
     With ``mask`` [N, Lmax-1], entries outside it are 0.
     """
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
+    tree.validate()
     rows, targets, valid = next_token_targets(tree)
     valid = valid if mask is None else valid & mask.to(valid.device)
     logp = scaled_log_softmax(head(hidden), temperature)  # [T, V]

@@ -99,6 +99,13 @@ class PaddedLayout:
             raise TypeError(f"fill must be a number, got {type(fill).__name__}")
         if not values.dtype.is_floating_point and not (math.isfinite(fill) and float(fill).is_integer()):
             raise ValueError(f"fill must be a whole number for values of dtype {values.dtype}, got {fill}")
+        if values.dtype == torch.bool:
+            low, high = 0, 1
+        else:
+            info = (torch.finfo if values.dtype.is_floating_point else torch.iinfo)(values.dtype)
+            low, high = info.min, info.max
+        if math.isfinite(fill) and not low <= fill <= high:  # it would wrap, or round to inf
+            raise ValueError(f"fill {fill} does not fit values of dtype {values.dtype}")
         t = torch.arange(self.tree_width, device=values.device)
         column = self.start.to(values.device)[:, None] + t + 1 - first_column  # [B, Lmax-1] in the block
         valid = (t < self.length.to(values.device)[:, None] - 1) & (column >= 0) & (column < values.shape[1])

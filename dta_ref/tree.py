@@ -231,8 +231,12 @@ class PrefixTree:
         The loss mask of RL training: the logprobs of prompt tokens are
         computed (they are next-token predictions too) but never trained on.
         """
+        if isinstance(prompt_lengths, (list, tuple)) and any(isinstance(x, (bool, np.bool_)) for x in prompt_lengths):
+            raise ValueError(f"prompt_lengths must be integers, got a bool in {list(prompt_lengths)[:8]}")
         prompt_lengths = torch.as_tensor(prompt_lengths, device=self.lengths.device)
         dtype = prompt_lengths.dtype
+        if dtype in (torch.uint16, torch.uint32, torch.uint64):  # compared below, which torch lacks for these
+            prompt_lengths = prompt_lengths.to(torch.long)  # one past int64's range wraps negative: refused
         if prompt_lengths.shape != (self.num_sequences,) or dtype.is_floating_point or dtype == torch.bool:
             raise ValueError(
                 f"prompt_lengths must be {self.num_sequences} integers, one per rollout, got {tuple(prompt_lengths.shape)}"
@@ -247,6 +251,9 @@ class PrefixTree:
         return self.tokens[self.seq_index[i, : int(self.lengths[i])]]
 
     def to(self, device) -> "PrefixTree":
+        """The tree on ``device``; its tensors stay int64 (token ids and indices, not values to convert)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"PrefixTree.to takes a device, got the dtype {device}: its tensors stay int64")
         moved = PrefixTree(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
         return moved._mark_valid() if self._known_valid() else moved  # a copy of a valid tree is valid
 
@@ -319,7 +326,7 @@ class PrefixTree:
             raise ValueError(f"PrefixTree.position_ids[{i}] = {int(self.position_ids[i])}, but subtree_end puts token {i} at depth {int(depth[i])}")
         parent = self.parent
         i = torch.arange(T, device=parent.device)
-        p = parent.clamp(min=0)
+        p = parent.clamp(min=0, max=T - 1)  # an entry out of range is refused below, not read out of bounds
         ok = torch.where(
             depth == 0,
             parent == -1,

@@ -421,6 +421,34 @@ def test_logprobs_reject(fn, exc, match):
         fn()
 
 
+def test_trees_changed_by_hand_are_refused_by_the_scoring_entry_points():
+    """A tree whose rows are not root-to-node paths, or whose parent points past the tree, is refused by
+    the packed-hidden entry points of both packages (as by every other), not scored or read out of range."""
+    import dataclasses
+
+    from dta_fast.logprobs import gather_logprobs_chunked
+    from dta_ref.logprobs import gather_tree_logprobs
+
+    head = torch.nn.Linear(8, TINY_VOCAB, bias=False)
+    hidden = torch.randn(TREE.num_tokens, 8)
+    shuffled = dataclasses.replace(TREE, seq_index=TREE.seq_index.flip(1).clone())
+    parent = TREE.parent.clone()
+    parent[1] = TREE.num_tokens + 3
+    for tree, match in ((shuffled, "is not a root-to-node path|lengths"), (dataclasses.replace(TREE, parent=parent),
+                                                                           "is not the token above 1")):  # fmt: skip
+        for gather in (lambda t: gather_logprobs_chunked(hidden, head, t), lambda t: gather_tree_logprobs(hidden, head, t)):
+            with pytest.raises(ValueError, match=match):
+                gather(tree)
+
+
+def test_response_mask_takes_unsigned_arrays():
+    lengths = np.full(TREE.num_sequences, 2, dtype=np.uint64)
+    assert torch.equal(TREE.response_mask(lengths), TREE.response_mask([2] * TREE.num_sequences))
+    lengths[0] = 2**64 - 1  # past int64: refused with the others out of range, not wrapped to a small one
+    with pytest.raises(ValueError, match="between 1 and its rollout's length"):
+        TREE.response_mask(lengths)
+
+
 def test_numpy_temperature_is_a_number():
     expected = dta_ref.tree_logprobs(tiny_decoder(), TREE, temperature=0.5)
     torch.testing.assert_close(dta_ref.tree_logprobs(tiny_decoder(), TREE, temperature=np.float32(0.5)), expected)
@@ -548,6 +576,15 @@ LOSS_CASES += [
     case("padded-negative-columns", lambda: LAYOUT.from_tree(torch.ones(2, 3), 1, -1), ValueError,
          "columns must be a non-negative int"),
     case("response-mask-of-bools", lambda: TREE.response_mask([True, True]), ValueError, "prompt_lengths must be"),
+    case("response-mask-a-bool-among-ints", lambda: TREE.response_mask([True] + [2] * (TREE.num_sequences - 1)),
+         ValueError, "got a bool"),  # fmt: skip
+    case("padded-fill-wraps", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.uint8), 1, fill=-1), ValueError,
+         "fill -1 does not fit values of dtype torch.uint8"),  # fmt: skip
+    case("padded-fill-past-int64", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.long), 1, fill=2**70),
+         ValueError, "does not fit"),  # fmt: skip
+    case("padded-fill-past-float32", lambda: LAYOUT.to_tree(torch.ones(2, 3), 1, fill=1e300), ValueError,
+         "does not fit values of dtype torch.float32"),  # fmt: skip
+    case("tree-to-a-dtype", lambda: TREE.to(torch.float16), TypeError, "takes a device, got the dtype torch.float16"),
     case("step-bytes-of-a-list", lambda: dta_fast.estimated_step_bytes(tiny_decoder(), [[1, 2]], 2), TypeError,
          "expected a PrefixTree"),
     case("budget-of-a-list", lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), [[1, 2]], 10**6), TypeError,

@@ -373,6 +373,40 @@ def test_fused_head_over_windows(entropy):
         torch.testing.assert_close(g_got, g_want, rtol=1e-11, atol=1e-11)
 
 
+def test_fused_head_refuses_unsorted_rows_and_takes_any_window():
+    """Its backward writes each window's row gradients in place, so the rows must be sorted (a row read
+    again later would lose a gradient); a window larger than all rows is one window."""
+    import sys
+
+    from dta_fast.logprobs import rows_logprobs
+
+    torch.manual_seed(17)
+    head = torch.nn.Linear(8, 30, bias=False).double()
+    hidden = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="rows must be sorted ascending"):
+        rows_logprobs(hidden, head, torch.tensor([3, 0, 2, 0]), targets)
+    rows = torch.tensor([0, 0, 2, 3])
+    want = torch.log_softmax(head(hidden), -1)[rows, targets]
+    for chunk_rows in (2**62, sys.maxsize):
+        torch.testing.assert_close(rows_logprobs(hidden, head, rows, targets, chunk_rows=chunk_rows), want)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_no_pair_to_score_still_gives_every_gradient(fused):
+    """Nothing to score (a mask with no token): every trainable tensor gets a zero gradient, as from
+    dta_ref's head, not None (DDP without find_unused_parameters needs each one)."""
+    from dta_fast.logprobs import rows_logprobs
+
+    head = torch.nn.Linear(8, 30, bias=not fused).double()
+    hidden = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    got = rows_logprobs(hidden, head, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    assert got.shape == (0,)
+    got.sum().backward()
+    for x in (hidden, *head.parameters()):
+        assert x.grad is not None and not x.grad.any()
+
+
 def _graph_nodes(root):
     seen, stack = set(), [root]
     while stack:
