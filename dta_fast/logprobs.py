@@ -165,6 +165,12 @@ def _fusable(head) -> bool:
     return type(head) is torch.nn.Linear and head.bias is None and type(head.weight) in (torch.Tensor, torch.nn.Parameter)
 
 
+def _runs_as_linear(head) -> bool:
+    """``head(x)`` is ``x @ weight.T``: no forward of its own (TRL's cast_lm_head_to_fp32 sets one, in
+    float32) and no hooks, which a fused head computing from the weight would skip."""
+    return "forward" not in vars(head) and not (head._forward_hooks or head._forward_pre_hooks)
+
+
 def _window_logprobs(hidden, head, inverse, targets, temperature, entropy):
     logp = scaled_log_softmax(head(hidden), temperature)  # [rows, V]
     picked = logp[inverse, targets]
@@ -253,7 +259,7 @@ def head_logprobs(
         for x in (hidden, *(head.parameters() if isinstance(head, torch.nn.Module) else ())):
             out = out + 0.0 * x.sum() if torch.is_grad_enabled() and x.requires_grad else out
         return out
-    if _fusable(head):
+    if _fusable(head) and _runs_as_linear(head):
         # in the weight's dtype, autocast or not: the backward recomputes the logits as the forward made them
         with torch.autocast(hidden.device.type, enabled=False):
             out, ent = _HeadLogprobs.apply(hidden, head.weight, unique, inverse, targets, windows, temperature, entropy)

@@ -35,6 +35,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.kernels import ChunkedLogProbFunction
 
+from dta_ref.hf import ATTENTION_DROPOUT_REFUSED, attention_dropout_in
 from dta_ref.padded import PaddedLayout
 
 from ._trainers import LinearizedLoss, block_logprobs_and_entropy, dropout_in
@@ -102,6 +103,8 @@ class TreeGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if attention_dropout_in(self.model) > 0:  # TRL's disable_dropout leaves this rate; training would refuse it
+            raise ValueError(ATTENTION_DROPOUT_REFUSED)
         dropout = dropout_in(self.model) if self._chunking is not None else None
         if dropout is not None:
             raise ValueError(

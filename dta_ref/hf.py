@@ -74,12 +74,21 @@ def _rope_types(cfg) -> set[str]:
     return types
 
 
+ATTENTION_DROPOUT_REFUSED = (
+    "attention dropout is not supported on the tree path: set attention_dropout=0 (or, to score or sample "
+    "without dropout, put the model in eval mode: model.eval())"
+)
+
+
+def attention_dropout_in(model) -> float:
+    """The largest attention dropout rate of ``model``'s attention modules (what they drop in train mode)."""
+    rates = (getattr(m, "attention_dropout", 0.0) for m in model.modules())
+    return max((r for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool)), default=0.0)
+
+
 def _tree_attention(module, query, key, value, dta_attend, dropout=0.0, scaling=None, **kwargs):
     if dropout:
-        raise ValueError(
-            "attention dropout is not supported on the tree path: set attention_dropout=0 (or, to score or "
-            "sample without dropout, put the model in eval mode: model.eval())"
-        )
+        raise ValueError(ATTENTION_DROPOUT_REFUSED)
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit softcapping is not supported on the tree path")
     if kwargs.get("sliding_window") is not None:

@@ -238,6 +238,41 @@ def test_tree_grpo_trainer_casts_the_head_to_float32(tmp_path):
     assert not torch.equal(scores[True][0], scores[False][0])  # the option changes the numbers
 
 
+@pytest.mark.parametrize("chunking", [{}, {"tree_max_chunk_tokens": 8}], ids=["packed", "chunked"])
+def test_bfloat16_model_with_its_head_cast_to_float32(chunking, tmp_path):
+    """A bfloat16 model (the usual way to load one) with cast_lm_head_to_fp32 (TRL replaces the head's
+    forward by a float32 one): the chunked pass runs that forward, not the bfloat16 hidden states against
+    the float32 weight. One step's loss is GRPOTrainer's, its update as close to the float32 model's."""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+
+    def step(trainer_cls, config_cls, name, **options):
+        logs, _, updates = train(trainer_cls, config_cls, tmp_path / name, path, max_steps=1, **options)
+        return logs[0]["loss"], torch.cat([updates[n].float().flatten() for n in sorted(updates)])
+
+    bf16 = dict(model_init_kwargs={"dtype": "bfloat16"}, cast_lm_head_to_fp32=True)
+    _, exact = step(GRPOTrainer, GRPOConfig, "exact")
+    base_loss, base = step(GRPOTrainer, GRPOConfig, "base", **bf16)
+    tree_loss, tree = step(TreeGRPOTrainer, TreeGRPOConfig, "tree", **bf16, **chunking)
+    assert tree_loss == pytest.approx(base_loss, rel=1e-3, abs=1e-5)
+    base_error, error = (base - exact).norm() / exact.norm(), (tree - exact).norm() / exact.norm()
+    assert 0 < base_error < 0.3 and error <= 1.5 * base_error + 1e-3, (float(base_error), float(error))
+
+
+def test_attention_dropout_is_refused_at_construction(tmp_path):
+    """TRL's disable_dropout zeroes dropout modules, not an attention module's rate, which the tree path
+    refuses: before any generation, not at the first step."""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="attention dropout is not supported on the tree path"):
+        TreeGRPOTrainer(model=model, reward_funcs=reward_small_ids, args=config(TreeGRPOConfig, tmp_path),
+                        train_dataset=prompts(), processing_class=word_tokenizer())  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "options, exc, match",
     [
