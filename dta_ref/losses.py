@@ -342,8 +342,10 @@ class PolicyGradientLoss(TokenLoss):
         clipped_policy_gradient_terms(old_logprobs[:1, :1], old_logprobs[:1, :1], self.advantages[:1, :1], **self.clip)
 
     def _term(self, seq, step, logprobs):
-        old = self.old_logprobs.to(logprobs.device)[seq, step].to(logprobs.dtype)
-        adv = self.advantages.to(logprobs.device)[seq, step].to(logprobs.dtype)
+        # in the dtype torch promotes the three to, as policy_gradient_loss computes them (16-bit logprobs
+        # beside float32 old logprobs: a float32 ratio, not one of old logprobs rounded to 16 bits)
+        old = self.old_logprobs.to(logprobs.device)[seq, step]
+        adv = self.advantages.to(logprobs.device)[seq, step]
         terms = clipped_policy_gradient_terms(logprobs[:, None], old[:, None], adv[:, None], **self.clip)
         return terms[:, 0]
 

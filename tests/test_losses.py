@@ -174,6 +174,25 @@ def test_per_sequence_advantages_equal_expanded_per_token_advantages():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_twins_agree_on_16_bit_logprobs(dtype):
+    """16-bit logprobs beside float32 old logprobs and advantages: the class computes in the promoted
+    dtype as the function does, not with old logprobs rounded to 16 bits."""
+    from dta_ref import PolicyGradientLoss
+
+    g = torch.Generator().manual_seed(8)
+    logprobs = -5 - torch.rand(3, 4, generator=g)
+    old = logprobs + 0.05 * torch.randn(3, 4, generator=g)
+    adv, mask = torch.randn(3, generator=g), torch.ones(3, 4, dtype=torch.bool)
+    low = logprobs.to(dtype).requires_grad_()
+    want = policy_gradient_loss(low, old, adv, mask)
+    twin = PolicyGradientLoss(old, adv, mask)
+    got = sum(twin(i, low[i]) for i in range(3))
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(got, low)[0], torch.autograd.grad(want, low)[0], rtol=0, atol=0)
+
+
 def test_loss_keeps_the_logprob_dtype():
     logprobs = -torch.rand(2, 3, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 3, dtype=torch.bool)
