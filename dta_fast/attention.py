@@ -177,6 +177,12 @@ class TreeSchedule:
     def num_keys(self) -> int:
         return self.subtree_end.shape[1]
 
+    def rows(self, start: int, stop: int) -> "TreeSchedule":
+        """The schedule of batch rows ``start:stop`` (this one where the batch shares one tree)."""
+        if self.subtree_end.shape[0] == 1:
+            return self
+        return TreeSchedule(self.subtree_end[start:stop], self.num_queries)
+
     @property
     def q_offset(self) -> int:
         return self.num_keys - self.num_queries
@@ -1216,6 +1222,9 @@ def _check_inputs(q, k, v):
         raise ValueError(f"head dim {D} is not supported (at most 256)")
 
 
+# CUDA takes at most 65535 programs on a grid's second axis, which the kernels give to batch x heads (and
+# the schedule's to batch rows): a batch with more rows than that is run in slices
+MAX_GRID_ROWS = 65535
 SCALE_LIMIT = 1e38  # the kernels take scale * log2(e) as a float32
 
 
@@ -1256,6 +1265,14 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
     if schedule.subtree_end.device != q.device:
         raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
+    step = MAX_GRID_ROWS // Hq
+    if B > step:  # a rollout's large batch of short rows: the kernels run on slices of it
+        slices = [tree_attention(q[b : b + step], k[b : b + step], v[b : b + step], scale=scale,
+                                 schedule=schedule.rows(b, b + step), return_lse=return_lse)
+                  for b in range(0, B, step)]  # fmt: skip
+        if return_lse:
+            return torch.cat([o for o, _ in slices]), torch.cat([lse for _, lse in slices])
+        return torch.cat(slices)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else check_scale(scale, SCALE_LIMIT)
     if sm_scale < 0:  # the kernels want a scale of at least 0 (_softmax_step): softmax(c q.k) = softmax(-c (-q).k)
         q, sm_scale = -q, -sm_scale

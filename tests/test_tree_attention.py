@@ -95,6 +95,49 @@ def test_per_batch_trees():
         torch.testing.assert_close(out[b : b + 1], alone, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one_tree", "per_row_trees"])
+def test_batch_past_the_grid_limit_runs_in_slices(shared, monkeypatch):
+    """CUDA grids take 65535 programs on the axis the kernels give to batch x heads: a larger batch (a
+    rollout of thousands of rows) runs in slices, with the same outputs, LSE and gradients (the limit
+    lowered here so that 5 rows of 2 heads cross it; test_gpu_batch_past_the_grid_limit crosses the real one)."""
+    rng = np.random.default_rng(11)
+    rows = [subtree_end_from_depths(random_depths(20, rng)) for _ in range(5)]
+    end = (rows[0] if shared else torch.stack(rows)).to(DEVICE)
+    q, k, v = make_qkv(5, 2, 1, 12, 20, 16, torch.float32)
+    schedule = build_schedule(end, 12)
+
+    def run():
+        inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out, lse = tree_attention(*inputs, schedule=schedule, return_lse=True, scale=-0.3)
+        (out * torch.linspace(-1, 1, out.numel(), device=DEVICE).view_as(out)).sum().backward()
+        return out, lse, *[x.grad for x in inputs]
+
+    whole = run()
+    monkeypatch.setattr(dta_fast.attention, "MAX_GRID_ROWS", 5)  # 2 rows of 2 heads per slice
+    for got, want in zip(run(), whole):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_past_the_grid_limit():
+    """16,400 rows of 4 heads: 65,600 programs on the grid's second axis (CUDA's limit is 65535), as a
+    rollout's decode step of that many sequences has; each row equals its own call."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    B, Tk = 16400, 5
+    end = torch.tensor([5, 3, 3, 5, 5], device=DEVICE)
+    q, k, v = (x.requires_grad_() for x in make_qkv(B, 4, 2, 2, Tk, 16, torch.bfloat16))
+    out = tree_attention(q, k, v, end)
+    out.float().sum().backward()
+    for b in (0, 9000, B - 1):
+        qb, kb, vb = (x.detach()[b : b + 1].requires_grad_() for x in (q, k, v))
+        alone = tree_attention(qb, kb, vb, end)
+        alone.float().sum().backward()
+        torch.testing.assert_close(out[b : b + 1], alone)  # bfloat16's tolerance: a row alone may split
+        for g, gb in ((q.grad, qb.grad), (k.grad, kb.grad), (v.grad, vb.grad)):  # dK/dV's heads otherwise
+            torch.testing.assert_close(g[b : b + 1], gb)
+
+
 @pytest.mark.parametrize("scale", [0.37, 0.0, -2.5])
 def test_custom_scale_and_lse(scale):
     end = subtree_end_from_depths(random_depths(30, np.random.default_rng(3))).to(DEVICE)
