@@ -347,8 +347,8 @@ def walk(draft: DraftTree, sampled: list[int], eos_token_ids: frozenset[int]) ->
         tokens.append(x)
         rows.append(r)
         child = kids[r].get(x)
-        if child is None or x in eos_token_ids:
-            return Walk(tokens, rows, len(tokens) - 1)
+        if child is None or x in eos_token_ids:  # the last token was drafted where it is a child (an EOS)
+            return Walk(tokens, rows, len(tokens) - (child is None))
         r = child + 1
 
 
@@ -584,7 +584,10 @@ class RolloutCache:
     def draft(self, prompt, generated, max_draft_tokens: int) -> DraftTree:
         """A draft tree of at most ``max_draft_tokens`` tokens to follow ``prompt + generated``."""
         max_draft_tokens = _check_int("max_draft_tokens", max_draft_tokens, 0)
-        return self.drafter(_as_token_list(prompt, 0)).draft(list(generated), max_draft_tokens)
+        if isinstance(generated, (str, bytes)) or not hasattr(generated, "__len__"):
+            raise TypeError(f"generated must be a list of token ids, got {type(generated).__name__}")
+        generated = [] if len(generated) == 0 else _as_token_list(generated, 0)
+        return self.drafter(_as_token_list(prompt, 0)).draft(generated, max_draft_tokens)
 
 
 class Drafter:

@@ -220,6 +220,9 @@ def test_walk_rule():
     assert walk(draft, [5, 9, 7, 9, 9], frozenset()).tokens == [5, 9]
     assert walk(draft, [3, 9, 9, 9, 9], frozenset()).tokens == [3]
     assert walk(draft, [5, 0, 9, 9, 9], frozenset({5})).tokens == [5]  # EOS ends even inside the draft
+    assert walk(draft, [5, 0, 9, 9, 9], frozenset({5})).accepted == 1  # ... and counts as drafted there
+    assert walk(draft, [5, 7, 9, 9, 9], frozenset({7})).accepted == 2
+    assert walk(draft, [6, 7, 9, 9, 9], frozenset({6})).accepted == 0  # an EOS not in the draft
 
 
 # ------------------------------------------------------------------ logprobs and EOS
@@ -354,6 +357,12 @@ def test_cache_drafts_most_frequent_first_and_bounded():
         cache.add([9, 9], [i % 7] * 5)
     assert cache.num_tokens([9, 9]) <= 40
     assert cache.draft([9, 9], [], 3).tokens == [5, 5, 5]  # the newest completions survive
+    # the generated tokens are checked as a prompt's are (empty allowed), not matched as other numbers
+    assert cache.draft([9, 9], torch.tensor([5, 5], dtype=torch.int32), 1).tokens == [5]
+    for generated, exc in (([-1, 3], ValueError), ([True], TypeError), ("ab", TypeError), ([3.0], TypeError),
+                           (5, TypeError)):  # fmt: skip
+        with pytest.raises(exc, match="sequence 0|generated must be"):
+            cache.draft([9, 9], generated, 2)
 
 
 def test_cache_bounded_across_prompts():
