@@ -32,7 +32,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.tree import _as_token_list
 
 from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
-from .engine import tree_backward
+from .engine import checked_options, tree_backward
 from .partition import partition
 from .tree import build_tree
 
@@ -255,6 +255,7 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
         device = next(module.parameters()).device
         if tree is None:
+            checked_options(**options)  # refused here too, as on the ranks that train them
             dtype = logprob_dtype(adapt(module).dtype)
             return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, dtype=dtype, device=device)
         with no_sync:

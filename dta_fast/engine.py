@@ -530,8 +530,7 @@ def estimated_step_bytes(
 def _check_checkpoint_layers(checkpoint_layers, memory: MemoryModel) -> bool | None:
     """None (the plan decides) or a bool; True where the model checkpoints every layer itself: False adds
     no checkpointing but cannot undo the model's own."""
-    if checkpoint_layers is not None and not isinstance(checkpoint_layers, (bool, np.bool_)):
-        raise TypeError(f"checkpoint_layers must be True, False or None, got {checkpoint_layers!r}")
+    checkpoint_layers = checked_options(checkpoint_layers=checkpoint_layers).checkpoint_layers
     return True if memory.model_checkpoints else None if checkpoint_layers is None else bool(checkpoint_layers)
 
 
@@ -1131,7 +1130,10 @@ def tree_backward(
             "tree_backward computes gradients, but gradients are disabled here (torch.no_grad() or "
             "torch.inference_mode()): call it outside them, as loss.backward() would need"
         )
-    recompute = _check_recompute(recompute, allow_none=True)
+    options = checked_options(max_chunk_tokens=max_chunk_tokens, memory_budget_bytes=memory_budget_bytes,
+                              memory_margin_bytes=memory_margin_bytes, recompute=recompute,
+                              checkpoint_layers=checkpoint_layers, attention_impl=attention_impl,
+                              temperature=temperature, grad_scaler=grad_scaler)  # fmt: skip
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     if isinstance(loss_fn, type):
@@ -1144,14 +1146,8 @@ def tree_backward(
             "backward: use dta_fast.distributed_tree_backward, or pass model.module and reduce the gradients"
         )
     adapter.check_token_ids(tree.tokens)
-    max_chunk_tokens, memory_budget_bytes, memory_margin_bytes = _checked_chunking(
-        max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
-    )
-    if attention_impl not in ("auto", "kernel", "reference"):
-        raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
-    temperature = check_temperature(temperature)
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+    max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute, checkpoint_layers, attention_impl, \
+        temperature, grad_scaler = options  # fmt: skip
 
     device = adapter.device
     plan = _choose_plan(
@@ -1172,6 +1168,40 @@ def tree_backward(
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     return logprobs, total.to(dtype)
+
+
+class TreeBackwardOptions(NamedTuple):
+    """:func:`tree_backward`'s options as :func:`checked_options` returns them."""
+
+    max_chunk_tokens: int | None
+    memory_budget_bytes: int | None
+    memory_margin_bytes: int | None
+    recompute: bool | None
+    checkpoint_layers: bool | None
+    attention_impl: str
+    temperature: float
+    grad_scaler: torch.amp.GradScaler | None
+
+
+def checked_options(
+    *, max_chunk_tokens=None, memory_budget_bytes=None, memory_margin_bytes=None, recompute=None,
+    checkpoint_layers=None, attention_impl="auto", temperature=1.0, grad_scaler=None,
+) -> TreeBackwardOptions:  # fmt: skip
+    """:func:`tree_backward`'s options checked; an unknown name is a TypeError. Alone, for a caller that
+    must refuse them without a tree to train (a rank whose shard is empty)."""
+    max_chunk_tokens, memory_budget_bytes, memory_margin_bytes = _checked_chunking(
+        max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
+    )
+    recompute = _check_recompute(recompute, allow_none=True)
+    if checkpoint_layers is not None and not isinstance(checkpoint_layers, (bool, np.bool_)):
+        raise TypeError(f"checkpoint_layers must be True, False or None, got {checkpoint_layers!r}")
+    if attention_impl not in ("auto", "kernel", "reference"):
+        raise ValueError(f"attention_impl must be 'auto', 'kernel' or 'reference', got {attention_impl!r}")
+    temperature = check_temperature(temperature)
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+    return TreeBackwardOptions(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute,
+                               checkpoint_layers, attention_impl, temperature, grad_scaler)  # fmt: skip
 
 
 def _checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, prefix: str = ""):

@@ -617,6 +617,14 @@ def _check_errors_agreed(rank, world):
         weight.data = weight.data.double()
         for p, g in zip(model.parameters(), before):
             assert torch.equal(p.grad, g)
+    # a bad option passed by the rank whose shard is empty is refused there too, not skipped
+    everything = [list(range(len(sequences))), []]
+    for bad, exc, match in ((dict(max_chunk_tokens=0), ValueError, "max_chunk_tokens must be at least 1"),
+                            (dict(max_chunk_token=8), TypeError, "unexpected keyword argument 'max_chunk_token'")):  # fmt: skip
+        with pytest.raises(exc, match=f"rank 1: {exc.__name__}: .*{match}"):
+            dta_fast.distributed_tree_backward(model, sequences, good, plan=everything, **(bad if rank == 1 else {}))
+        for p, g in zip(model.parameters(), before):
+            assert torch.equal(p.grad, g)
     # a sparse gradient on rank 0 while rank 1's shard is empty: refused on both, not a hang in the reduction
     model.embed.sparse = True
     with pytest.raises(ValueError, match=r"rank 0: ValueError: parameter 'embed.weight' got a sparse gradient"):
