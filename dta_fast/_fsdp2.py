@@ -14,7 +14,8 @@ unrelated tensors). For the length of the call, then:
 - at the end, sync goes back on with a divide factor of 1 and sum-only
   collectives (the loss is a sum over sequences, not a mean over ranks), and
   a forward and backward of one token with a zero cotangent runs every
-  module's post-backward hook once: each reduce-scatters its accumulated
+  module's post-backward hook once (FSDP's final callback, queued here too,
+  runs those whose hooks did not fire): each reduce-scatters its accumulated
   gradient into its sharded ``.grad`` (FSDP2 adds to a ``.grad`` already
   there) and reshards as the model was set up to;
 - the model's own FSDP settings are put back.
@@ -141,10 +142,15 @@ def _reduce_once(root) -> None:
         module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
     root.set_is_last_backward(True)
     token = torch.zeros(1, 1, dtype=torch.long, device=next(root.parameters()).device)
+    state = root._get_fsdp_state()
     with torch.enable_grad():
-        out = adapt(root).logits(token)
-        if out.requires_grad:  # its hooks reduce-scatter; a zero cotangent adds nothing
-            torch.autograd.backward(out, torch.zeros_like(out))
+        # a backward even where no parameter on the path trains; a zero cotangent adds nothing
+        out = adapt(root).logits(token) + torch.zeros((), device=token.device, requires_grad=True)
+        # FSDP's final callback reduce-scatters every group whose own backward hook did not run; FSDP
+        # queues it from a sharded module's backward, which may not come (the adapter runs a PEFT root's
+        # base model, not the root; nothing sharded below the root may train), so queue it here too
+        out.register_hook(lambda grad: state._register_root_post_backward_final_callback())
+        torch.autograd.backward(out, torch.zeros_like(out))
 
 
 def fsdp2_shard_backward(root, run_shard, group):

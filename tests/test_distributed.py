@@ -394,6 +394,60 @@ def _spawn_fsdp(tmp_path, world, kind="decoder", generic=False, batch="mixed", s
     mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), *args), nprocs=world, join=True)
 
 
+def _peft_model(targets):
+    from peft import LoraConfig, get_peft_model
+
+    model = _model("qwen3")
+    torch.manual_seed(9)  # the same adapters on every rank and in the expected gradients
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def _check_fsdp_peft_rank(world, shard_layers, targets, expected):
+    """A PEFT root: its adapter runs the base model, not the root, so the root's FSDP hooks do not run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import dta_fast
+
+    sequences = _batch()
+    exp_loss, exp_grads, (old, adv, mask) = expected
+    model = _peft_model(targets)
+    mesh = init_device_mesh("cpu", (world,))
+    if shard_layers:
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loss_fn = PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
+    _, loss, _ = dta_fast.distributed_tree_backward(model, sequences, loss_fn, max_chunk_tokens=9)
+    torch.testing.assert_close(loss, exp_loss, rtol=1e-5, atol=1e-5)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # sharded again
+    scale = max(g.abs().max().item() for g in exp_grads)
+    for p, g in zip(trainable, exp_grads):
+        torch.testing.assert_close(p.grad.full_tensor(), g, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("shard_layers,targets", [(False, ["q_proj", "v_proj"]), (True, ["lm_head"])],
+                         ids=["root_only", "adapters_in_the_root_group"])  # fmt: skip
+def test_fsdp2_peft_root(tmp_path, shard_layers, targets):
+    """Every trainable parameter in the root's group (the root sharded alone, or LoRA on the head only):
+    no sharded module below the root trains, and the root's hooks do not run under PEFT, so the reduction
+    must not wait for FSDP to queue its final callback (it gave unreduced, unsharded gradients)."""
+    pytest.importorskip("peft")
+    sequences = _batch()
+    model = _peft_model(targets)
+    tree = PrefixTree.from_sequences(sequences)
+    flat = dta_ref.flat_logprobs(model, sequences)
+    old, adv, mask = _loss_inputs(tree, flat)
+    loss = dta_ref.policy_gradient_loss(flat, old, adv, mask, 0.2, 0.28, "token_mean")
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    expected = (loss.detach(), [g.detach() for g in grads], (old, adv, mask))
+    args = (_check_fsdp_peft_rank, shard_layers, targets, expected)
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), *args), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_many_chunks(tmp_path, world):
     """Many chunks, recomputed: every chunk's backward accumulates locally, one reduce-scatter at the end."""
