@@ -1265,7 +1265,7 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
     if schedule.subtree_end.device != q.device:
         raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
-    step = MAX_GRID_ROWS // Hq
+    step = max(MAX_GRID_ROWS // Hq, 1)
     if B > step:  # a rollout's large batch of short rows: the kernels run on slices of it
         slices = [tree_attention(q[b : b + step], k[b : b + step], v[b : b + step], scale=scale,
                                  schedule=schedule.rows(b, b + step), return_lse=return_lse)

@@ -130,9 +130,9 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     clip_high = clip_low if clip_high is None else _check_clip("clip_high", clip_high)
     if dual_clip is not None and _check_real("dual_clip", dual_clip) <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
-        _check_padded(name, x)
+    _check_padded("logprobs", logprobs)
     _check_padded("old_logprobs", old_logprobs, logprobs.shape)  # broadcast, they would pair other tokens
+    _check_padded("advantages", advantages)
     if advantages.shape != logprobs.shape:
         if logprobs.dim() != 2 or advantages.shape != logprobs.shape[:1]:
             raise ValueError(f"advantages must have logprobs' shape {tuple(logprobs.shape)}, or be [N] one per "
@@ -239,7 +239,7 @@ class TokenLoss:
         """
         N, L = self.shape
         index = torch.as_tensor(index)
-        if index.numel() and (index.dtype == torch.bool or not _is_integer(index)):
+        if index.numel() and not _is_integer(index):
             # a bool mask would be read as indices 0 and 1, floats truncated: rows of other sequences
             raise TypeError(f"index must be integer sequence indices, got dtype {index.dtype}")
         index = index.long()
