@@ -20,6 +20,7 @@ from dta_ref.attention import refuse_create_graph
 from dta_ref.logprobs import (
     LogprobsAndEntropy,
     check_logprob_mask,
+    check_packed_hidden,
     check_temperature,
     entropy_of,
     logprob_dtype,
@@ -292,11 +293,7 @@ def gather_logprobs_chunked(
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"tree must be a PrefixTree, got {type(tree).__name__}")
     tree.validate()  # free for a tree from the builders
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != tree.num_tokens:
-        raise ValueError(
-            f"hidden must be the tree's packed hidden states [{tree.num_tokens}, hidden], got "
-            f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}"
-        )
+    check_packed_hidden(hidden, tree)
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))):
         raise TypeError(f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}")
     if chunk_rows is not None and chunk_rows < 1:

@@ -32,6 +32,9 @@ def mask_from_subtree_end(subtree_end: torch.Tensor, query_positions: torch.Tens
 
     ``subtree_end`` is [Tk] or batched [..., Tk].
     """
+    for name, t in (("subtree_end", subtree_end), ("query_positions", query_positions)):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     j = torch.arange(subtree_end.shape[-1], device=subtree_end.device)
     i = query_positions[:, None]
     return (j <= i) & (i < subtree_end[..., None, :])

@@ -106,12 +106,22 @@ def warm_up(model) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dta_ref.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_int_at_least(0), default=0)
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--quick", action="store_true", help="smaller batches")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadiest timings)")
+    parser.add_argument("--threads", type=_int_at_least(1), default=1, help="torch CPU threads (default 1: steadiest timings)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -78,6 +78,15 @@ def check_logprob_mask(mask, tree: PrefixTree):
     return mask
 
 
+def check_packed_hidden(hidden, tree: PrefixTree) -> None:
+    """``hidden`` must be the tree's packed hidden states [T, hidden]."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[0] != tree.num_tokens:
+        raise ValueError(
+            f"hidden must be the tree's packed hidden states [{tree.num_tokens}, hidden], got "
+            f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}"
+        )
+
+
 def scaled_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) over the last dimension, in :func:`logprob_dtype`."""
     logits = logits.to(logprob_dtype(logits.dtype))
@@ -99,6 +108,8 @@ def gather_tree_logprobs(
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
+    check_packed_hidden(hidden, tree)
+    temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     rows, targets, valid = next_token_targets(tree)
     valid = valid if mask is None else valid & mask.to(valid.device)
     logp = scaled_log_softmax(head(hidden), temperature)  # [T, V]

@@ -47,6 +47,10 @@ def _label_fn(token_labels):
         return lambda t: str(token_labels(t))
     if isinstance(token_labels, dict):
         return lambda t: str(token_labels.get(t, t))
+    if not (hasattr(token_labels, "__len__") and hasattr(token_labels, "__getitem__")):
+        raise TypeError(
+            f"token_labels must be a dict, a sequence or a function of the token id, got {type(token_labels).__name__}"
+        )
     return lambda t: str(token_labels[t]) if 0 <= t < len(token_labels) else str(t)
 
 

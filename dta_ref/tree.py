@@ -233,11 +233,16 @@ class PrefixTree:
         """
         if isinstance(prompt_lengths, (list, tuple)) and any(isinstance(x, (bool, np.bool_)) for x in prompt_lengths):
             raise ValueError(f"prompt_lengths must be integers, got a bool in {list(prompt_lengths)[:8]}")
-        prompt_lengths = torch.as_tensor(prompt_lengths, device=self.lengths.device)
+        try:
+            prompt_lengths = torch.as_tensor(prompt_lengths, device=self.lengths.device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"prompt_lengths must be {self.num_sequences} integers, got {prompt_lengths!r:.80}") from e
         dtype = prompt_lengths.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"prompt_lengths must be integers, got {dtype}")
         if dtype in (torch.uint16, torch.uint32, torch.uint64):  # compared below, which torch lacks for these
             prompt_lengths = prompt_lengths.to(torch.long)  # one past int64's range wraps negative: refused
-        if prompt_lengths.shape != (self.num_sequences,) or dtype.is_floating_point or dtype == torch.bool:
+        if prompt_lengths.shape != (self.num_sequences,):
             raise ValueError(
                 f"prompt_lengths must be {self.num_sequences} integers, one per rollout, got {tuple(prompt_lengths.shape)}"
             )

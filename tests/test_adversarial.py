@@ -482,3 +482,19 @@ def test_plot_help_writes_no_file(tmp_path, monkeypatch, capsys):
         main(["--help"])
     assert exit_info.value.code == 0 and "usage" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_draw_tree_labels(tmp_path):
+    """draw_tree takes its labels as a dict, a list indexed by id or a function, and names anything else."""
+    pytest.importorskip("matplotlib")
+    from dta_ref.plot import _label_fn, draw_tree
+
+    assert [_label_fn({1: "a"})(t) for t in (1, 2)] == ["a", "2"]
+    assert [_label_fn(["x", "y"])(t) for t in (1, 5)] == ["y", "5"]
+    assert _label_fn(lambda t: t * 10)(3) == "30"
+    for labels in ({1: "a"}, ["x", "y", "z"], lambda t: f"<{t}>"):
+        path = draw_tree([[1, 2], [1, 0]], tmp_path / "tree.png", token_labels=labels)
+        assert path.stat().st_size > 0
+        path.unlink()
+    with pytest.raises(TypeError, match="token_labels must be a dict, a sequence or a function"):
+        draw_tree([[1, 2]], tmp_path / "tree.png", token_labels=5)

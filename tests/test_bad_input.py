@@ -223,6 +223,9 @@ BATCH_CASES = [
     case("agentic-every-turn-str", lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, every_turn="no"), TypeError,
          "every_turn must be a bool"),  # fmt: skip
     case("agentic-negative-tool", lambda: dta_ref.agentic_batch(tool_len=-1), ValueError, "tool_len must be at least 0"),
+    case("grpo-negative-seed", lambda: dta_ref.grpo_batch(1, 4, 2, 3, seed=-1), ValueError, "seed must be at least 0"),
+    case("agentic-float-seed", lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, seed=1.5), TypeError,
+         "seed must be an int"),  # fmt: skip
 ]
 
 
@@ -230,6 +233,15 @@ BATCH_CASES = [
 def test_batches_reject(fn, exc, match):
     with pytest.raises(exc, match=match):
         fn()
+
+
+@pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--seed", "-1")])
+def test_demo_refuses_bad_arguments(flag, value, capsys):
+    from dta_ref.demo import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag, value, "--quick"])
+    assert exit_info.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
 
 
 def test_batches_take_numpy_sizes():
@@ -267,6 +279,16 @@ def test_decoder_config_rejects():
 def test_decoder_config_rejects_sizes(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         dta_ref.DecoderConfig(**kwargs)
+
+
+def test_decoder_config_takes_numpy_sizes_and_the_decoder_wants_batched_ids():
+    cfg = dta_ref.DecoderConfig(vocab_size=np.int64(11), hidden_size=np.int32(16), num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=32)  # fmt: skip
+    assert type(cfg.vocab_size) is int and type(cfg.hidden_size) is int and cfg.head_dim == 8
+    model = dta_ref.Decoder(cfg)
+    assert model(torch.tensor([[1, 2]])).shape == (1, 2, 11)
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, tokens\], got shape \(2,\)"):
+        model(torch.tensor([1, 2]))
 
 
 TREE = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])
@@ -400,19 +422,25 @@ LOGPROB_CASES += [
          "chunk_rows must be at least 1"),
     case("chunked-float-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=2.5), TypeError,
          "chunk_rows must be an int"),
-    case("chunked-zero-temperature", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, temperature=0.0),
-         ValueError, "temperature must be positive"),
-    case("chunked-hidden-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN[:-1], HEAD, TREE), ValueError,
-         "packed hidden states"),
-    case("chunked-hidden-3d", lambda: dta_fast.gather_logprobs_chunked(HIDDEN[None], HEAD, TREE), ValueError,
-         "packed hidden states"),
-    case("chunked-float-mask", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=TREE_MASK.float()),
-         TypeError, "mask must be a bool tensor"),
-    case("chunked-mask-shape", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, mask=TREE_MASK[:, :1]),
-         ValueError, "mask has shape"),
     case("chunked-list-tree", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, [[1, 2]]), TypeError,
          "tree must be a PrefixTree"),
 ]  # fmt: skip
+# Both packed-hidden twins: the chunked one and the reference's.
+for _twin, _gather in (("chunked", dta_fast.gather_logprobs_chunked), ("ref", dta_ref.gather_tree_logprobs)):
+    LOGPROB_CASES += [
+        case(f"{_twin}-zero-temperature", lambda g=_gather: g(HIDDEN, HEAD, TREE, temperature=0.0),
+             ValueError, "temperature must be positive"),
+        case(f"{_twin}-negative-temperature", lambda g=_gather: g(HIDDEN, HEAD, TREE, temperature=-1.0),
+             ValueError, "temperature must be positive"),
+        case(f"{_twin}-hidden-rows", lambda g=_gather: g(HIDDEN[:-1], HEAD, TREE), ValueError, "packed hidden states"),
+        case(f"{_twin}-hidden-more-rows", lambda g=_gather: g(torch.cat([HIDDEN, HIDDEN]), HEAD, TREE), ValueError,
+             "packed hidden states"),
+        case(f"{_twin}-hidden-3d", lambda g=_gather: g(HIDDEN[None], HEAD, TREE), ValueError, "packed hidden states"),
+        case(f"{_twin}-float-mask", lambda g=_gather: g(HIDDEN, HEAD, TREE, mask=TREE_MASK.float()),
+             TypeError, "mask must be a bool tensor"),
+        case(f"{_twin}-mask-shape", lambda g=_gather: g(HIDDEN, HEAD, TREE, mask=TREE_MASK[:, :1]),
+             ValueError, "mask has shape"),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("fn,exc,match", LOGPROB_CASES)
@@ -576,6 +604,16 @@ LOSS_CASES += [
     case("padded-negative-columns", lambda: LAYOUT.from_tree(torch.ones(2, 3), 1, -1), ValueError,
          "columns must be a non-negative int"),
     case("response-mask-of-bools", lambda: TREE.response_mask([True, True]), ValueError, "prompt_lengths must be"),
+    case("response-mask-of-none", lambda: TREE.response_mask(None), TypeError, "prompt_lengths must be 2 integers"),
+    case("response-mask-of-a-string", lambda: TREE.response_mask("ab"), TypeError, "prompt_lengths must be 2 integers"),
+    case("response-mask-of-floats", lambda: TREE.response_mask([2.0, 2]), TypeError,
+         "prompt_lengths must be integers, got torch.float32"),  # fmt: skip
+    case("mask-from-a-list", lambda: dta_ref.mask_from_subtree_end([3, 3, 3], torch.arange(3)), TypeError,
+         "subtree_end must be an integer tensor"),  # fmt: skip
+    case("mask-from-floats", lambda: dta_ref.mask_from_subtree_end(torch.tensor([2.5, 3.0, 3.0]), torch.arange(3)),
+         TypeError, "subtree_end must be an integer tensor"),  # fmt: skip
+    case("mask-at-float-positions", lambda: dta_ref.mask_from_subtree_end(torch.tensor([3, 3, 3]), torch.ones(3)),
+         TypeError, "query_positions must be an integer tensor"),  # fmt: skip
     case("response-mask-a-bool-among-ints", lambda: TREE.response_mask([True] + [2] * (TREE.num_sequences - 1)),
          ValueError, "got a bool"),  # fmt: skip
     case("padded-fill-wraps", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.uint8), 1, fill=-1), ValueError,

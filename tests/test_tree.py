@@ -232,6 +232,21 @@ def test_agentic_batch_compression_matches_formula():
     assert tree.compression_ratio > 5
 
 
+def test_fast_builder_on_nested_prefixes_and_wide_ids():
+    """Multi-turn chains (each rollout a prefix of the next), nested prefixes, and ids whose bytes order
+    differently in little-endian (255 < 256, 2**32 - 1 < 2**32): dta_fast.build_tree equals the reference."""
+    batches = [
+        [list(range(3 * (k + 1))) for k in range(60)],
+        [[0] * (60 - k) + [1] for k in range(60)],
+        [[7, 256, 1], [7, 255, 2], [7, 256], [2**32, 5], [2**32 - 1, 5], [2**32, 5, 0], [7]],
+    ]
+    for batch in batches:
+        random.Random(1).shuffle(batch)
+        expected, built = PrefixTree.from_sequences(batch), dta_fast.build_tree(batch)
+        for name in expected.__dataclass_fields__:
+            assert torch.equal(getattr(expected, name), getattr(built, name)), name
+
+
 def test_fast_builder_on_training_shaped_batches():
     """dta_fast.build_tree equals the reference on the GRPO and agentic shapes, shuffled."""
     for batch in (grpo_batch(3, 300, 5, 40, seed=1), agentic_batch(500, 3, 20, 3, 4, 15, 30, seed=2)):
