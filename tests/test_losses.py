@@ -294,6 +294,9 @@ def test_token_loss_rows_is_the_loss_of_those_sequences(nested):
         with pytest.raises(TypeError, match=match):
             pg.check_lengths(lengths)
     pg.check_lengths(torch.tensor([4, 4]))
+    pg.check_lengths(torch.tensor([3, 4]))  # MASK ends at row 0's last logprob, step 1
+    with pytest.raises(ValueError, match=r"True at step 1 of sequence 0, past its last next-token logprob \(step 0\)"):
+        pg.check_lengths(torch.tensor([2, 4]))  # one step past: the token mask used as the next-token mask
 
 
 def test_old_logprobs_and_advantages_are_constants():

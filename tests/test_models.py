@@ -296,7 +296,8 @@ def test_sequence_classification_model_is_refused():
 def test_logprobs_and_entropy_with_a_mask(temperature):
     """Both twins: logprobs and entropies at the sampling temperature, only where the mask asks, exact gradients."""
     model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=12).to(DEVICE)
-    mask = TREE.response_mask([3, 3, 3, 2, 1])
+    mask = TREE.response_mask([3, 3, 3, 2, 1]) | ~TREE.logprob_mask  # True past the ends too: nothing there to score
+    assert (mask & ~TREE.logprob_mask).any()
     w_lp, w_ent = (torch.randn(mask.shape, generator=torch.Generator().manual_seed(s)).to(DEVICE) for s in (1, 2))
     want_lp = torch.zeros(mask.shape, device=DEVICE)
     want_ent = torch.zeros(mask.shape, device=DEVICE)

@@ -211,6 +211,25 @@ def test_chi_square_detects_a_wrong_distribution(small):
     assert chi_square_pvalue(_counts(out.completions), wrong, n) < 1e-6
 
 
+def test_sampling_probs_by_hand():
+    """The sampling law written out by hand (every distribution test above takes its expected law from
+    sampling_probs itself): top-p keeps up to and including the token that reaches it, exactly at a tie,
+    and renormalises; top-k keeps ties; temperature divides; greedy takes the first argmax."""
+    quarters = torch.tensor([[0.5, 0.25, 0.125, 0.125]], dtype=torch.float64).log()
+    law = lambda **kw: sampling_probs(quarters, SamplingParams(**kw))[0].tolist()  # noqa: E731
+    assert law(top_p=0.75) == [2 / 3, 1 / 3, 0.0, 0.0]  # mass above the third token is exactly 0.75: left out
+    assert law(top_p=0.7) == [2 / 3, 1 / 3, 0.0, 0.0]
+    assert law(top_p=0.5) == [1.0, 0.0, 0.0, 0.0]
+    assert law(top_p=0.8) == pytest.approx([4 / 7, 2 / 7, 1 / 7, 0.0], abs=1e-15)  # the later of two equal ones out
+    assert law(top_k=3) == pytest.approx([4 / 8, 2 / 8, 1 / 8, 1 / 8], abs=1e-15)  # the tie at the 3rd is kept
+    assert law(top_k=1) == [1.0, 0.0, 0.0, 0.0]
+    assert law(temperature=0.5) == pytest.approx([16 / 22, 4 / 22, 1 / 22, 1 / 22], abs=1e-15)
+    assert law(temperature=0.5, top_p=0.8) == pytest.approx([0.8, 0.2, 0.0, 0.0], abs=1e-15)
+    assert law(temperature=0) == [1.0, 0.0, 0.0, 0.0]
+    ties = torch.tensor([[1.0, 3.0, 3.0, 2.0]])
+    assert sampling_probs(ties, SamplingParams(temperature=0))[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
 def test_walk_rule():
     """Accept while the drawn token is a child; emit the first token that is not; stop at EOS."""
     draft = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, -1])  # 5 -> {6, 7}; 8

@@ -72,6 +72,31 @@ def test_branching_known_packing_and_mask():
     assert tree.sequence(1).tolist() == [1, 5]
 
 
+def test_response_mask_by_hand():
+    """True where the scored token (step t scores token t+1) is at or past the prompt's length."""
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4, 5], [7, 8]])
+    assert tree.response_mask([2, 3, 1]).tolist() == [[False, True, False], [False, False, True], [True, False, False]]
+    assert tree.response_mask([1, 1, 1]).tolist() == tree.logprob_mask.tolist()
+    assert tree.response_mask([3, 4, 2]).tolist() == [[False] * 3] * 3  # no response: nothing to train on
+    with pytest.raises(ValueError, match="between 1 and its rollout's length"):
+        tree.response_mask([2, 5, 1])  # longer than the rollout (lengths given in another order, say)
+    with pytest.raises(ValueError, match="between 1 and its rollout's length"):
+        tree.response_mask([0, 3, 1])
+
+
+def test_padded_layout_by_hand():
+    """A batch with left, right and no padding: tree layout entry [i, t] is row i's token t+1."""
+    layout = dta_ref.PaddedLayout.of(torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]))
+    assert layout.start.tolist() == [1, 0, 3] and layout.length.tolist() == [3, 5, 2] and layout.tree_width == 4
+    values = torch.arange(15.0).view(3, 5)  # the value of column c of row i: 5 i + c
+    assert layout.to_tree(values, 0, fill=-1).tolist() == [[2, 3, -1, -1], [6, 7, 8, 9], [14, -1, -1, -1]]
+    # a block of the last three columns: tokens before it get the fill too
+    assert layout.to_tree(values[:, 2:], 2, fill=-1).tolist() == [[2, 3, -1, -1], [-1, 7, 8, 9], [14, -1, -1, -1]]
+    tree_values = layout.to_tree(values, 0)
+    assert layout.from_tree(tree_values, 0, 5).tolist() == [[0, 0, 2, 3, 0], [0, 6, 7, 8, 9], [0, 0, 0, 0, 14]]
+    assert layout.from_tree(tree_values, 3, 2).tolist() == [[3, 0], [8, 9], [0, 14]]
+
+
 def test_duplicates_share_every_token():
     tree = PrefixTree.from_sequences([[3, 1, 2], [3, 1, 2], [3, 1, 2]])
     assert_tree(tree, tokens=[3, 1, 2], seq_index=[[0, 1, 2]] * 3, num_tokens=3, flat_tokens=9, compression_ratio=3.0)
