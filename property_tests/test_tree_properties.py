@@ -230,3 +230,16 @@ def test_fast_builder_packs_exactly_as_the_reference(sequences, kind):
     for name in expected.__dataclass_fields__:
         a, b = getattr(expected, name), getattr(built, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@cheap
+@given(rollout_sets(), st.data())
+def test_response_mask_is_each_rollouts_own(sequences, data):
+    """response_mask: rollout i's step t (scoring token t+1) is trained on exactly when token t+1 is past
+    its prompt, whatever the sharing with other rollouts."""
+    tree = PrefixTree.from_sequences(sequences)
+    prompts = [data.draw(st.integers(1, len(s)), label=f"prompt {i}") for i, s in enumerate(sequences)]
+    mask = tree.response_mask(prompts)
+    width = tree.max_length - 1
+    expected = [[prompts[i] <= t + 1 < len(s) for t in range(width)] for i, s in enumerate(sequences)]
+    assert mask.tolist() == expected
