@@ -281,15 +281,19 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
         for p, g in zip(params, kept):  # as before the call
             p.grad = g
         raise
-    for p in params:  # a rank with an empty shard still takes part in every collective
+    # the parameters that got a gradient on some rank (a rank with an empty shard got none); the others keep
+    # None, as loss.backward() leaves a parameter the loss does not reach
+    reached = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=local_loss.device)
+    dist.all_reduce(reached, op=dist.ReduceOp.MAX, group=group)
+    reduced = [p for p, r in zip(params, reached.tolist()) if r]
+    for p in reduced:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-
-    handles = [dist.all_reduce(p.grad, group=group, async_op=True) for p in params]
+    handles = [dist.all_reduce(p.grad, group=group, async_op=True) for p in reduced]
     dist.all_reduce(local_loss, group=group)
     for h in handles:
         h.wait()
     for p, g in zip(params, kept):
         if g is not None:
-            p.grad += g
+            p.grad = g if p.grad is None else p.grad.add_(g)
     return DistributedResult(logprobs, local_loss, list(shard))

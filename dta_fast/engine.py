@@ -43,7 +43,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
 from .attention import build_schedule, tree_attention
-from .logprobs import HeadRows, LogprobPairs, head_logprobs, window_rows
+from .logprobs import HeadRows, LogprobPairs, head_logprobs, head_weight, window_rows
 
 # ------------------------------------------------------------------- the plan
 
@@ -357,7 +357,7 @@ class MemoryModel:
     @classmethod
     def of(cls, model) -> "MemoryModel":
         adapter = adapt(model)
-        shape, weight = adapter.shape, adapter.head.weight
+        shape, weight = adapter.shape, head_weight(adapter.head)
         vocab, w = weight.shape[0], weight.element_size()
         W = weight.numel() * w
         z = torch.finfo(logprob_dtype(weight.dtype)).bits // 8
@@ -936,7 +936,7 @@ class _Engine:
         self.span_lo = np.searchsorted(rows, plan.start).tolist()
         self.span_hi = np.searchsorted(rows, plan.stop).tolist()
         # every chunk's head rows and windows at once: no chunk waits for the GPU to learn its own
-        window = plan.logits_rows or window_rows(self.head.weight.shape[0])
+        window = plan.logits_rows or window_rows(head_weight(self.head).shape[0])
         self.head_rows = HeadRows.of_chunks(
             rows, self.span_lo + [rows.size], plan.start.tolist(), window, self.pairs.rows.device
         )
@@ -1122,6 +1122,12 @@ def tree_backward(
     not). Needs gradients enabled, as ``loss.backward()`` does: under
     ``torch.no_grad()`` or ``torch.inference_mode()`` it raises. Returns ``(logprobs, loss)``: detached per-sequence logprobs
     [N, Lmax-1] (the layout of ``tree_logprobs``) and the detached total loss.
+    Parameters the forward runs get a gradient (zero where no term reaches
+    them); others (a value head beside the model) keep ``.grad`` None, as
+    ``loss.backward()`` leaves them. A call that raises partway (a loss that
+    raises, running out of memory) leaves in ``.grad`` what the chunks before
+    it added, as a failed ``loss.backward()`` does: zero the gradients before
+    trying again (``distributed_tree_backward`` restores them itself).
     """
     _check_tree(tree)
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
@@ -1164,8 +1170,8 @@ def tree_backward(
         total = _run_token_loss(engine, loss_fn, scaled)
     else:
         total = _run_linearised_loss(engine, loss_fn, scaled)
-    for p in model.parameters():  # like loss.backward() on a loss that touches every parameter
-        if p.requires_grad and p.grad is None:
+    for p in adapter.forward_parameters():  # as loss.backward() leaves them: a zero gradient, not None, for a
+        if p.requires_grad and p.grad is None:  # parameter the forward runs that no term reached
             p.grad = torch.zeros_like(p)
     return logprobs, total.to(dtype)
 
@@ -1274,7 +1280,7 @@ def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled):
     leaves, terms = [], []
     for i, n in enumerate((tree.lengths - 1).tolist()):
         lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
-        term = loss_fn(i, lp_i)
+        term = loss_fn(i, lp_i.clone())  # not the leaf itself: a loss may change its argument in place
         if not isinstance(term, torch.Tensor) or term.numel() != 1 or term.is_complex():
             what = f"a {term.dtype} tensor of shape {tuple(term.shape)}" if isinstance(term, torch.Tensor) else type(term).__name__
             raise ValueError(f"loss_fn must return a real scalar tensor; for sequence {i} it returned {what}")

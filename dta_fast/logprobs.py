@@ -35,6 +35,18 @@ from .attention import INTERPRET, build_schedule, tree_attention
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 
 
+def head_weight(head) -> torch.Tensor:
+    """The output head's [vocab, hidden] weight, which the fast path sizes its logits windows and its
+    memory estimate by (dta_ref runs any head)."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(
+            f"the output head must be a linear layer with a [vocab, hidden] weight on the fast path, got "
+            f"{type(head).__name__}"
+        )
+    return weight
+
+
 def window_rows(vocab: int) -> int:
     """Rows of the head's default logits window: LOGITS_CHUNK_ELEMENTS logits."""
     return max(1, LOGITS_CHUNK_ELEMENTS // vocab)
@@ -243,7 +255,7 @@ def rows_logprobs(
     forward and in the backward.
     """
     if chunk_rows is None:
-        chunk_rows = window_rows(head.weight.shape[0])
+        chunk_rows = window_rows(head_weight(head).shape[0])
     return head_logprobs(hidden, head, HeadRows.of(rows, chunk_rows), targets, temperature, entropy)
 
 

@@ -118,11 +118,24 @@ class TreeStats:
     attention_pairs: int
     num_sequences: int
 
+    def checked(self) -> "TreeStats":
+        """These counts as ints, or a clear error (for stats made by hand; the partitioner's are by
+        construction)."""
+        values = []
+        for name in ("unique_tokens", "attention_pairs", "num_sequences"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"TreeStats.{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"TreeStats.{name} must be non-negative, got {value}")
+            values.append(int(value))
+        return TreeStats(*values)
+
 
 def tree_stats(x) -> TreeStats:
     """:class:`TreeStats` of a batch given as token sequences, a :class:`~dta_ref.PrefixTree` or a TreeStats."""
     if isinstance(x, TreeStats):
-        return x
+        return x.checked()
     if isinstance(x, PrefixTree):
         span = x.subtree_end - torch.arange(x.num_tokens, device=x.subtree_end.device)
         return TreeStats(x.num_tokens, int(span.sum()), x.num_sequences)
@@ -233,7 +246,10 @@ class CostModel:
                 raise TypeError(f"sample {k}: seconds must be a number, got {type(seconds).__name__}")
             if not math.isfinite(as_float(seconds)) or seconds < 0:
                 raise ValueError(f"sample {k}: seconds must be finite and non-negative, got {seconds}")
-            s = tree_stats(batch)
+            try:
+                s = tree_stats(batch)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"sample {k}: {e}") from e
             rows.append([s.unique_tokens, s.attention_pairs, s.num_sequences, 1.0])
             times.append(float(seconds))
         if not rows:
@@ -592,7 +608,8 @@ def partition(
     arrays = _token_arrays(sequences)
     if world_size > len(arrays):
         raise ValueError(
-            f"world_size={world_size} is more ranks than sequences ({len(arrays)}): every rank needs at least one"
+            f"world_size={world_size} is more ranks than sequences ({len(arrays)}): sequences are not split, so "
+            "some rank would surely have nothing to do"
         )
     batch = _Batch(arrays)
     model = cost_model

@@ -113,6 +113,13 @@ class ModelAdapter:
         """The linear map from final hidden states to vocabulary logits."""
         return self.core.lm_head if not self.is_hf else self.core.get_output_embeddings()
 
+    def forward_parameters(self) -> list[nn.Parameter]:
+        """The parameters a forward runs, each once: the trunk's and the head's. A module attached beside
+        them (a value head, say) is not run, and its parameters get no gradient from a loss on logprobs."""
+        modules = [self.core.model] if self.is_hf else [self.core.embed, self.core.layers, self.core.norm]
+        unique = {id(p): p for m in modules + [self.head] for p in m.parameters()}
+        return list(unique.values())
+
     @property
     def num_logits(self) -> int | None:
         """How many logits the output head gives (its ``out_features``, through PEFT's wrapper), or None

@@ -211,6 +211,19 @@ def _empty_shard_worker(rank, world, init_file):
                 dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum())
         finally:
             distributed.partition = planned
+        # a parameter no term reaches keeps None on every rank, as with loss.backward(); one a term reaches on
+        # one rank only (a direct term of sequence 0's loss) is reduced on every rank
+        model = _model("decoder")
+        model.value_head, model.unused = torch.nn.Linear(4, 1).double(), torch.nn.Linear(4, 1).double()
+
+        def with_value_term(i, lp):
+            return -lp.sum() + (model.value_head.weight.sum() if i == 0 else 0)
+
+        dta_fast.distributed_tree_backward(model, [[1, 2, 3], [1, 2, 4]], with_value_term, plan=[[0], [1]])
+        assert model.unused.weight.grad is None and model.unused.bias.grad is None
+        assert torch.equal(model.value_head.weight.grad, torch.ones_like(model.value_head.weight))
+        assert model.value_head.bias.grad is None
+        assert all(p.grad is not None for p in model.layers.parameters())
         # a rank outside the group is told so
         alone = dist.new_group([0])
         if rank == 1:

@@ -624,6 +624,62 @@ def test_loss_with_a_direct_parameter_term():
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
+@pytest.mark.parametrize("loss", ["token", "generic"])
+def test_a_module_the_forward_does_not_run_keeps_no_gradient(loss):
+    """As loss.backward() leaves it: None for a value head beside the model (an optimizer then skips it, where
+    a zero gradient would move it through momentum or weight decay), a zero gradient for a parameter the
+    forward runs that no term reaches (nothing to score in a chunk, a frozen path)."""
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    model.value_head = torch.nn.Linear(32, 1, dtype=torch.float64)
+    mask = torch.zeros_like(tree.logprob_mask)
+    mask[1, 0] = True  # one term only
+
+    def generic(i, lp):
+        return -lp[:1].sum() if i == 1 else lp.sum() * 0
+
+    loss_fn = SFTLoss(mask, "sum") if loss == "token" else generic
+    dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=2)
+    assert model.value_head.weight.grad is None and model.value_head.bias.grad is None
+    assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("value_head"))
+    flat = dta_ref.flat_logprobs(model, seqs)
+    want = torch.autograd.grad(-flat[1, 0], [p for n, p in model.named_parameters() if not n.startswith("value")])
+    assert_grads_close({n: p.grad for n, p in model.named_parameters() if not n.startswith("value")},
+                       dict(zip([n for n, _ in model.named_parameters() if not n.startswith("value")], want)),
+                       rel=1e-11)  # fmt: skip
+
+
+def test_a_generic_loss_may_change_its_argument_in_place():
+    seqs = batch()
+    tree = PrefixTree.from_sequences(seqs)
+    model = tiny_decoder(torch.float64)
+    lengths = tree.lengths - 1
+
+    def loss_fn(i, lp):
+        lp.clamp_(min=-3.0)  # in place, as on a slice of per-sequence logprobs
+        return -lp.sum()
+
+    def total(lp):
+        return sum(loss_fn(i, lp[i, : int(lengths[i])].clone()) for i in range(tree.num_sequences))
+
+    _, ref_loss, ref_grads = flat_reference(model, seqs, total)
+    model.zero_grad(set_to_none=True)
+    _, loss = dta_fast.tree_backward(model, tree, loss_fn, max_chunk_tokens=7)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
+
+
+def test_a_head_without_a_weight_is_named():
+    """The fast path sizes its logits windows by the head's weight; another head is refused by name."""
+    model = tiny_decoder(torch.float64)
+    model.lm_head = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 64, bias=False)).double()
+    tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])
+    assert dta_ref.tree_logprobs(model, tree).shape == (2, 2)  # the reference runs any head
+    with pytest.raises(TypeError, match="output head must be a linear layer .* got Sequential"):
+        dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -5.0])
 def test_bad_budgets_and_sizes(bad):
     tree = PrefixTree.from_sequences([[1, 2, 3], [1, 2, 4]])

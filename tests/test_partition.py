@@ -397,6 +397,21 @@ def test_tree_stats_match_prefix_tree():
     )
 
 
+def test_stats_given_by_hand_are_checked():
+    """TreeStats passed to cost or fit are counts: negative, fractional or non-numeric ones are named."""
+    assert CostModel().cost(TreeStats(np.int64(5), 3, 1)) == CostModel().cost(TreeStats(5, 3, 1))
+    for stats, exc, match in (
+        (TreeStats(-100, 0, 1), ValueError, "unique_tokens must be non-negative, got -100"),
+        (TreeStats(5, float("nan"), 1), TypeError, "attention_pairs must be an int, got float"),
+        (TreeStats(5, 3, "1"), TypeError, "num_sequences must be an int, got str"),
+        (TreeStats(5, 3, True), TypeError, "num_sequences must be an int, got bool"),
+    ):
+        with pytest.raises(exc, match=match):
+            CostModel().cost(stats)
+        with pytest.raises(exc, match=f"sample 1: TreeStats.{match}"):
+            CostModel.fit([([[1, 2]], 1.0), (stats, 2.0)])
+
+
 def synthetic_samples(true: CostModel, seed: int, noise: float = 0.0):
     rng = np.random.default_rng(seed)
     samples = []
