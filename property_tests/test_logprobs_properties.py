@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -108,6 +109,47 @@ def test_decoder_tree_logprobs_equal_flat_float64(sequences, seed):
     assert_close_report(tree_lp, flat_lp, atol=1e-10, rtol=1e-10, name="tree vs flat logprobs")
     assert bool((tree_lp[~tree.logprob_mask] == 0).all()), "padding must be exactly 0"
     assert bool((tree_lp[tree.logprob_mask] < 0).all()), "a logprob over 64 tokens is negative"
+
+
+@decoder_settings
+@given(sequences=rollout_sets(), seed=seeds(), chunk_rows=st.integers(1, 8), data=st.data())
+def test_masked_scoring_of_both_twins(sequences, seed, chunk_rows, data):
+    """Packed hidden states to logprobs and entropies under any mask (True past a rollout's end too): both
+    twins give, where the mask and the rollout have a logprob, the log-softmax of the head at the row of
+    the rollout's token t for its token t+1, 0 elsewhere, and those entries' exact gradients."""
+    import dta_fast
+
+    tree = PrefixTree.from_sequences(sequences)
+    shape = (tree.num_sequences, tree.max_length - 1)
+    bits = data.draw(st.lists(st.booleans(), min_size=shape[0] * shape[1], max_size=shape[0] * shape[1]))
+    mask = torch.tensor(bits, dtype=torch.bool).view(shape)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tree.num_tokens, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(8, 64, bias=False).double()
+    weights = torch.randn((2,) + shape, generator=gen, dtype=torch.float64)
+    want_lp, want_ent = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    for i, s in enumerate(sequences):  # by hand, entry by entry
+        for t in range(len(s) - 1):
+            if mask[i, t]:
+                logp = torch.log_softmax(head(hidden[int(tree.seq_index[i, t])]), -1)
+                want_lp[i, t], want_ent[i, t] = logp[s[t + 1]], -(logp.exp() * logp).sum()
+    params = [hidden, head.weight]
+
+    def grads(lp, ent):  # zeros for a parameter nothing depends on, as param_grads gives them
+        total = (lp * weights[0] + ent * weights[1]).sum()
+        got = torch.autograd.grad(total, params, allow_unused=True) if total.requires_grad else [None, None]
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, got)]
+
+    want_g = grads(want_lp, want_ent)
+    for name, twin in (("dta_ref", dta_ref.gather_tree_logprobs),
+                       ("dta_fast", functools.partial(dta_fast.gather_logprobs_chunked, chunk_rows=chunk_rows))):  # fmt: skip
+        got = twin(hidden, head, tree, entropy=True, mask=mask)
+        assert_close_report(got.logprobs, want_lp, atol=1e-12, rtol=1e-12, name=f"{name} logprobs")
+        assert_close_report(got.entropy, want_ent, atol=1e-12, rtol=1e-12, name=f"{name} entropies")
+        kept = mask & tree.logprob_mask
+        assert bool((got.logprobs[~kept] == 0).all() and (got.entropy[~kept] == 0).all()), name
+        for g, w, what in zip(grads(got.logprobs, got.entropy), want_g, ("hidden", "head")):
+            assert_close_report(g, w, atol=1e-12, rtol=1e-12, name=f"{name} {what} grad")
 
 
 @decoder_settings
