@@ -148,6 +148,13 @@ def test_empty_shards_take_part(tmp_path):
     _spawn(tmp_path, 3, batch="duplicates", wrap_ddp=True, shards=[[], [0, 1, 2, 3], []])
 
 
+def test_a_plan_in_any_order(tmp_path):
+    """A plan whose shards list their sequences out of order: each sequence keeps its own loss inputs."""
+    n = len(_batch())
+    evens = list(range(0, n, 2))
+    _spawn(tmp_path, 2, shards=[list(range(n - 1, 0, -2)), evens[1::2] + evens[::2]])
+
+
 def test_ddp_reduces_once(tmp_path):
     _spawn(tmp_path, 2, wrap_ddp=True)
 

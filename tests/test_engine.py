@@ -670,6 +670,17 @@ def test_a_generic_loss_may_change_its_argument_in_place():
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
+@pytest.mark.parametrize("dtype,accumulator", [(torch.bfloat16, 4), (torch.float16, 4), (torch.float32, 4),
+                                               (torch.float64, 8)])  # fmt: skip
+def test_estimate_counts_kv_gradients_in_float32_at_least(dtype, accumulator):
+    """An open chunk's K/V per token: 2 layers x (K, V) x 2 KV heads x head dim 8 elements, in the model's
+    dtype, and their gradient accumulators in float32 at least (half-precision models included)."""
+    memory = MemoryModel.of(tiny_decoder(dtype))
+    elements = 2 * 2 * 2 * 8
+    assert memory.kv == elements * torch.empty(0, dtype=dtype).element_size()
+    assert memory.kv_grad == elements * accumulator
+
+
 def test_a_head_without_a_weight_is_named():
     """The fast path sizes its logits windows by the head's weight; another head is refused by name."""
     model = tiny_decoder(torch.float64)

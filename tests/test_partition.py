@@ -16,7 +16,9 @@ from dta_fast.partition import (
     TreeStats,
     _Batch,
     _dfs_contiguous,
+    _lpt,
     _nnls_numpy,
+    _pieces,
     _token_arrays,
     partition,
     tree_stats,
@@ -395,6 +397,19 @@ def test_tree_stats_match_prefix_tree():
     assert CostModel(token=2.0, pair=0.5, sequence=3.0, constant=7.0).cost(sequences) == pytest.approx(
         2.0 * expected.unique_tokens + 0.5 * expected.attention_pairs + 3.0 * 5 + 7.0
     )
+
+
+def test_lpt_counts_a_shards_constant_once():
+    """With a per-shard constant, a rank that takes a second tree pays the constant once: four separate
+    trees of 2, 3, 4 and 5 tokens on two ranks cost (4 + 3) + 5 and (5 + 2) + 5 as LPT tracks them."""
+    sequences = [[1, 2], [3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    model = CostModel(token=1.0, pair=0.0, sequence=0.0, constant=5.0)
+    batch = _Batch(_token_arrays(sequences))
+    pieces = _pieces(batch, model, 1.0)  # one piece per tree
+    piece_costs = [model.cost([sequences[i] for i in batch.order[a : b + 1]]) for a, b in pieces]
+    shards, loads = _lpt(batch, model, pieces, piece_costs, 2)
+    exact = [model.cost([sequences[i] for i in batch.order[positions]]) for positions in shards]
+    assert sorted(exact) == [12.0, 12.0] and loads == pytest.approx(exact)
 
 
 def test_stats_given_by_hand_are_checked():

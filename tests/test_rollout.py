@@ -312,9 +312,15 @@ def test_fast_kv_buffers_grow_with_the_completions(model, monkeypatch):
     """dta_fast's KV buffers start small and double as the completions grow: the draws are still the
     twin's, through several growths with drafts, and a huge max_new_tokens or max_draft_tokens allocates
     for what is generated, not for the limit (it had allocated for the limit up front)."""
-    grown = []
+    grown = []  # (capacity before, capacity after, the most a run needs)
     original = fast_rollout._KVEngine._grow
-    monkeypatch.setattr(fast_rollout._KVEngine, "_grow", lambda self, w: (grown.append(w), original(self, w)))
+
+    def spy(self, window):
+        before = self.capacity
+        original(self, window)
+        grown.append((before, self.capacity, self.most))
+
+    monkeypatch.setattr(fast_rollout._KVEngine, "_grow", spy)
     monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", 4)
     prompts = PROMPTS * 2
     base = dta_fast.sample(model, prompts, 120, temperature=0.9, generator=gen(4))
@@ -324,6 +330,8 @@ def test_fast_kv_buffers_grow_with_the_completions(model, monkeypatch):
     fast = dta_fast.speculative_sample(model, prompts, 120, cache=cache_of(prompts, base.completions), **kw)
     _assert_twins(ref, fast)
     assert len(grown) >= 2 and fast.stats["accepted_tokens"] > 0
+    # doubling, not a step per token: copies stay linear in the completion's length
+    assert all(after >= min(2 * before, most) for before, after, most in grown), grown
     monkeypatch.undo()
     # 10**8 new tokens for a prompt whose completion ends at its first token (greedy, EOS = that token)
     first = dta_ref.sample(model, [[1, 2]], 1, temperature=0).completions[0][0]

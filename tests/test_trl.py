@@ -109,6 +109,8 @@ CASES = {
     "chunked-grad-scaler": dict(tree_max_chunk_tokens=8, loss_scale=2.0**12, max_grad_norm=0.0),
     "grad-scaler": dict(loss_scale=2.0**12, max_grad_norm=0.0),
     "grad-accum": dict(gradient_accumulation_steps=2, max_grad_norm=0.0),
+    # old logprobs scored over a generation of two micro-batches, in TRL's batches of one micro-batch
+    "grad-accum-two-iterations": dict(gradient_accumulation_steps=2, num_iterations=2, max_grad_norm=0.0),
     "chunked-grad-accum": dict(tree_max_chunk_tokens=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
     # loss variants: every one is GRPOTrainer's own code on the tree's logprobs (and entropies)
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
@@ -120,7 +122,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
+def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path, monkeypatch):
+    import dta_fast.trl as tree_trl
+
+    scored, trained = [], []  # rows of each scored block; the options of each chunked backward
+    score, backward = tree_trl.block_logprobs_and_entropy, tree_trl.tree_backward
+    monkeypatch.setattr(tree_trl, "block_logprobs_and_entropy", lambda m, ids, *a: (scored.append(len(ids)), score(m, ids, *a))[1])
+    monkeypatch.setattr(tree_trl, "tree_backward", lambda *a, **k: (trained.append(k), backward(*a, **k))[1])
     overrides = dict(CASES[case])
     peft = lora() if overrides.pop("peft", False) else None
     tree_options = ("tree_memory_budget_bytes", "tree_max_chunk_tokens", "tree_checkpoint_layers")
@@ -146,6 +154,14 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path):
     tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
     assert base_update.norm() > 0  # training moved the parameters, so the comparison means something
     assert (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+    # the options reach the engine, and each tree is one micro-batch (TRL's batch_size), not the generation
+    assert scored and max(scored) <= 8
+    if chunking:
+        assert trained and all(k["max_chunk_tokens"] == chunking.get("tree_max_chunk_tokens") for k in trained)
+        assert all(k["checkpoint_layers"] == chunking.get("tree_checkpoint_layers") for k in trained)
+        assert all(k["memory_budget_bytes"] == chunking.get("tree_memory_budget_bytes") for k in trained)
+    else:
+        assert not trained
 
 
 @pytest.mark.parametrize("precision", [
