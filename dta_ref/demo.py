@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=_int_at_least(0), default=0)
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--quick", action="store_true", help="smaller batches")
-    parser.add_argument("--threads", type=_int_at_least(1), default=1, help="torch CPU threads (default 1: steadiest timings)")
+    parser.add_argument(
+        "--threads", type=_int_at_least(1), default=1, help="torch CPU threads (default 1: steadiest timings)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -127,8 +127,17 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path, monkeypatch):
 
     scored, trained = [], []  # rows of each scored block; the options of each chunked backward
     score, backward = tree_trl.block_logprobs_and_entropy, tree_trl.tree_backward
-    monkeypatch.setattr(tree_trl, "block_logprobs_and_entropy", lambda m, ids, *a: (scored.append(len(ids)), score(m, ids, *a))[1])
-    monkeypatch.setattr(tree_trl, "tree_backward", lambda *a, **k: (trained.append(k), backward(*a, **k))[1])
+
+    def scoring(model, input_ids, *args):
+        scored.append(len(input_ids))
+        return score(model, input_ids, *args)
+
+    def training(*args, **options):
+        trained.append(options)
+        return backward(*args, **options)
+
+    monkeypatch.setattr(tree_trl, "block_logprobs_and_entropy", scoring)
+    monkeypatch.setattr(tree_trl, "tree_backward", training)
     overrides = dict(CASES[case])
     peft = lora() if overrides.pop("peft", False) else None
     tree_options = ("tree_memory_budget_bytes", "tree_max_chunk_tokens", "tree_checkpoint_layers")
