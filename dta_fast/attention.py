@@ -191,6 +191,7 @@ class TreeSchedule:
         key = (BLOCK_M, BLOCK_N)
         if key in self._lists:
             return self._lists[key]
+        BLOCK_M, BLOCK_N = key = _block_shape(BLOCK_M, BLOCK_N)
         lists = _build_block_lists(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
         if not self._capturing():
             self._lists[key] = lists
@@ -205,6 +206,7 @@ class TreeSchedule:
         key = (BLOCK_M, BLOCK_N)
         if key in self._order:
             return self._order[key]
+        BLOCK_M, BLOCK_N = key = _block_shape(BLOCK_M, BLOCK_N)
         work = _key_block_work(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
         order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
         if not self._capturing():
@@ -213,6 +215,16 @@ class TreeSchedule:
 
     def _capturing(self) -> bool:
         return self.subtree_end.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _block_shape(BLOCK_M, BLOCK_N) -> tuple[int, int]:
+    """The tile as ints (NumPy's too), or a clear error: powers of two, as tl.arange needs."""
+    for name, size in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N)):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(size).__name__}")
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two, got {size}")
+    return int(BLOCK_M), int(BLOCK_N)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dta_fast import attention_hopper, build_schedule, tree_attention
 from dta_ref import PrefixTree, agentic_batch, grpo_batch
@@ -210,3 +212,59 @@ def test_gradients_bitwise_the_triton_kernels(name, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
     if name == "non-finite rows":
         assert all(g.isnan().any() and not g.isnan().all() for g in grads[0])
+
+
+@st.composite
+def _random_calls(draw):
+    """(q, k, v, subtree_end, scale) of a call the Hopper kernels take: random forests up to 3,500 tokens,
+    sizes at the block edges, GQA, a tree per row, cached prefixes, the model's [B, T, H, D] layout,
+    non-finite rows."""
+    D = draw(st.sampled_from([64, 128]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    Hq, Hkv = draw(st.sampled_from([(4, 4), (8, 2), (14, 2), (6, 3), (2, 1)]))
+    B = draw(st.integers(1, 3))
+    Tk = draw(st.one_of(st.sampled_from([64, 65, 127, 128, 129, 191, 255, 257]), st.integers(64, 3500)))
+    Tq = draw(st.one_of(st.just(Tk), st.integers(64, Tk)))
+    p_up = draw(st.sampled_from([0.0, 0.01, 0.05, 0.3, 0.8]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    trees = [subtree_end_from_depths(random_depths(Tk, rng, p_up)) for _ in range(draw(st.sampled_from([1, B])))]
+    end = (trees[0] if len(trees) == 1 else torch.stack(trees)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    model_layout = draw(st.booleans())
+
+    def tensor(H, T):
+        x = torch.randn(B, H, T, D, generator=g, device="cuda", dtype=dtype)
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if model_layout else x
+
+    q, k, v = tensor(Hq, Tq), tensor(Hkv, Tk), tensor(Hkv, Tk)
+    for x in (q, k, v):  # now and then a non-finite row, which isolation keeps to the queries that see it
+        bad = draw(st.sampled_from([None, None, None, float("nan"), float("inf"), float("-inf")]))
+        if bad is not None:
+            x[tuple(int(rng.integers(n)) for n in x.shape[:3])] = bad
+    scale = draw(st.one_of(st.none(), st.sampled_from([-0.3, 0.05, 0.2])))
+    return q, k, v, end, scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU")
+@settings(max_examples=max(4, settings.default.max_examples // 5),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # poison_empty holds for every example
+@given(call=_random_calls())
+def test_bitwise_the_triton_kernels_on_random_trees(call):
+    """The named cases above, generalised: output, LSE and every gradient bitwise the Triton kernels'."""
+    q, k, v, end, scale = call
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator(device="cuda").manual_seed(1))
+    schedule = build_schedule(end, q.shape[2])
+    ran, results = [], []
+    hopper_forward = attention_hopper.forward
+    with pytest.MonkeyPatch.context() as patch:  # per example, not per test
+        patch.setattr(attention_hopper, "forward", lambda *a: ran.append(1) or hopper_forward(*a))
+        for enabled in (True, False):
+            patch.setattr(attention_hopper, "ENABLED", enabled)
+            x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            out, lse = tree_attention(*x, scale=scale, schedule=schedule, return_lse=True)
+            out.backward(do)
+            results.append([out.detach(), lse, *(t.grad for t in x)])
+    assert len(ran) == 1, "the Hopper forward should run once, with the kernels enabled"
+    for a, b, what in zip(*results, ("out", "lse", "dq", "dk", "dv")):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)

@@ -347,6 +347,14 @@ def test_bad_arguments_of_the_schedule_and_scale():
         dta_fast.TreeSchedule(end[None].int().expand(2, 5), 5)
     with pytest.raises(ValueError, match="contiguous int32"):
         dta_fast.TreeSchedule(end.int(), 5)
+    # its tiles: int powers of two
+    schedule = build_schedule(end, 5)
+    for blocks, exc in (((4, 0), ValueError), ((-4, 4), ValueError), ((4, 12), ValueError), ((4.0, 4), TypeError),
+                        ((True, 4), TypeError)):  # fmt: skip
+        for method in (schedule.block_lists, schedule.key_block_order):
+            with pytest.raises(exc, match="BLOCK_[MN] must be"):
+                method(*blocks)
+    assert schedule.block_lists(np.int64(4), 2).count.numel() == 2  # NumPy ints are ints
 
 
 def test_schedule_keeps_the_tree_it_was_built_from():
