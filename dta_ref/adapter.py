@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .hf import check_hf_model, hf_hidden_states, is_hf_model
+from .hf import check_hf_model, hf_hidden_states, is_hf_model, sliding_window_of
 from .model import Decoder, causal_attend
 
 
@@ -121,6 +121,12 @@ class ModelAdapter:
         return list(unique.values())
 
     @property
+    def sliding_window(self) -> int | None:
+        """The window of the model's sliding-window layers (None: every layer attends fully). The tree path
+        runs such a model only while every position is below it (``dta_ref.hf.check_in_window``)."""
+        return sliding_window_of(self.core.config) if self.is_hf else None
+
+    @property
     def num_logits(self) -> int | None:
         """How many logits the output head gives (its ``out_features``, through PEFT's wrapper), or None
         where it does not say."""
@@ -207,6 +213,9 @@ class ModelAdapter:
         ``checkpoint_layers``: run every layer the model does not checkpoint
         itself under non-reentrant activation checkpointing, for this call only.
         """
+        # Never traced into a layer the user compiled: attend's state lives outside autograd (the chunked
+        # engine's K/V stores, read and written by its backward), which a graph would freeze when traced.
+        attend = torch.compiler.disable(attend)
         with self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):

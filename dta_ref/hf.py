@@ -46,11 +46,6 @@ def check_hf_model(model) -> None:
             f"{type(model).__name__} has no language-model head: pass the causal LM "
             "(e.g. Qwen2ForCausalLM), not a base model or a classification model"
         )
-    layer_types = getattr(cfg, "layer_types", None)
-    sliding = ("sliding_attention" in layer_types if layer_types is not None
-               else getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None))  # fmt: skip
-    if sliding:
-        raise ValueError("models with sliding-window attention layers are not supported on the tree path")
     for rope_type in _rope_types(cfg):
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(
@@ -58,6 +53,26 @@ def check_hf_model(model) -> None:
                 "position of each forward call, so a tree (or a chunk of one) would use other frequencies than "
                 "each rollout alone"
             )
+
+
+def sliding_window_of(cfg) -> int | None:
+    """The window of the model's sliding-window layers; None where every layer attends fully."""
+    layer_types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    sliding = "sliding_attention" in layer_types if layer_types is not None else getattr(cfg, "use_sliding_window", False)
+    return int(window) if sliding and window is not None else None
+
+
+def check_in_window(window: int | None, last_position: int) -> None:
+    """A sliding-window layer attends to all of a query's ancestors while its position is below the window
+    (the keys it drops are further back than the root): there it is ordinary causal attention, which is
+    what the tree path computes. Past it the tree path would attend to keys the model drops: refused."""
+    if window is not None and last_position >= window:
+        raise ValueError(
+            f"this model's sliding-window layers attend to the last {window} positions; the tree path runs them "
+            f"only while every position is below {window}, where they attend to every earlier token, and this "
+            f"call reaches position {last_position}"
+        )
 
 
 def _rope_types(cfg) -> set[str]:
@@ -91,8 +106,7 @@ def _tree_attention(module, query, key, value, dta_attend, dropout=0.0, scaling=
         raise ValueError(ATTENTION_DROPOUT_REFUSED)
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit softcapping is not supported on the tree path")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("sliding-window attention is not supported on the tree path")
+    # a sliding window passed here covers every position of the call: hf_hidden_states checked it
     out = dta_attend(module.layer_idx, query, key, value, scaling)  # [B, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None
 
@@ -132,6 +146,9 @@ def route_attention(implementation: str) -> None:
 def hf_hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
     """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend``."""
     route_attention(model.config._attn_implementation)
+    window = sliding_window_of(model.config)
+    if window is not None:  # a host sync, for these models only
+        check_in_window(window, int(position_ids.max()) if position_ids.numel() else -1)
     no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
     out = model.model(
         input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, dta_attend=attend, use_cache=False

@@ -31,6 +31,7 @@ import torch
 
 from .attention import as_float, attention, mask_from_subtree_end
 from .adapter import adapt
+from .hf import check_in_window
 from .logprobs import MIN_TEMPERATURE, logprob_dtype
 from .tree import _as_token_list
 
@@ -118,6 +119,7 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
             f"sampled id past {adapter.vocab_size - 1} could not be fed back; resize one to match the other"
         )
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+    check_in_window(adapter.sliding_window, max(map(len, prompts)) + max_new_tokens - 1)  # before any work
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
     if not math.isfinite(as_float(temperature)) or not (temperature == 0 or temperature >= MIN_TEMPERATURE):

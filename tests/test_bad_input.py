@@ -327,7 +327,7 @@ def sliding_window_qwen2():
         num_attention_heads=2,
         num_key_value_heads=1,
         use_sliding_window=True,
-        sliding_window=4,
+        sliding_window=2,  # TREE's last tokens are at position 2
         max_window_layers=0,
     )
     return transformers.Qwen2ForCausalLM(cfg).eval()
@@ -370,7 +370,7 @@ LOGPROB_CASES = [
         "hf-sliding-window",
         lambda: dta_ref.tree_logprobs(sliding_window_qwen2(), TREE),
         ValueError,
-        "sliding-window",
+        "sliding-window layers attend to the last 2 positions",
     ),
     case(
         "hf-dynamic-rope",

@@ -139,6 +139,44 @@ def test_sliding_window_flag_without_sliding_layers():
     assert_matches_each_rollout_alone(transformers.Qwen2ForCausalLM(cfg).to(DEVICE).eval())
 
 
+def sliding_qwen2(window: int):
+    """The tiny Qwen2 with every layer sliding over ``window`` positions."""
+    import transformers
+
+    base = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6).config.to_dict()
+    cfg = transformers.Qwen2Config(**{**base, "use_sliding_window": True, "sliding_window": window,
+                                      "max_window_layers": 0, "layer_types": None})  # fmt: skip
+    assert set(cfg.layer_types) == {"sliding_attention"}
+    torch.manual_seed(6)
+    return transformers.Qwen2ForCausalLM(cfg).to(DEVICE).eval()
+
+
+def test_sliding_window_that_covers_every_rollout():
+    """Sliding layers whose window no rollout outgrows attend to every earlier token: the tree path runs
+    them and gives each rollout alone's numbers. One position short, the last token's query drops the
+    first key in Hugging Face's own forward, and the tree path refuses by name: scoring, chunked training
+    and sampling, the sampler before any work."""
+    longest = max(map(len, SEQUENCES))  # positions 0 .. longest - 1
+    covered, short = sliding_qwen2(longest), sliding_qwen2(longest - 1)
+    assert_matches_each_rollout_alone(covered)
+    ids = torch.tensor([max(SEQUENCES, key=len)], device=DEVICE)
+    with torch.no_grad():
+        a, b = covered(ids).logits[0], short(ids).logits[0]
+    torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=0)
+    assert not torch.allclose(a[-1], b[-1])
+    message = f"attend to the last {longest - 1} positions.*reaches position {longest - 1}"
+    for score in TWINS.values():
+        with pytest.raises(ValueError, match=message):
+            score(short, TREE)
+    with pytest.raises(ValueError, match=message):
+        dta_fast.tree_backward(short, TREE, dta_ref.SFTLoss(TREE.logprob_mask), max_chunk_tokens=4)
+    prompt = SEQUENCES[0][:3]
+    for sample in (dta_ref.sample, dta_fast.sample):
+        with pytest.raises(ValueError, match="reaches position"):
+            sample(short, [prompt], longest - 3)  # the last token at position longest - 1
+        assert len(sample(short, [prompt], longest - 4).completions[0]) == longest - 4
+
+
 def test_peft_trainable_tokens():
     """PEFT's trainable_token_indices wraps the embedding (and a tied head) in a module that keeps the
     original as .original_module: its vocabulary is that one's, and the rows it trains get gradients."""
@@ -242,6 +280,25 @@ def test_torch_compiled_model():
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     assert dta_ref.adapt(compiled).core is model
     assert_matches_each_rollout_alone(compiled, model)
+
+
+@pytest.mark.parametrize("compile_", ["torch.compile", "Module.compile"])
+def test_layers_compiled_one_by_one(compile_):
+    """Layers the user compiled one by one (the whole model's compile is unwrapped instead): the attention
+    call stays outside their graphs, which would otherwise trace the chunked engine's K/V stores into them
+    and freeze at trace time what the backward reads there (the gradients then were 20-100% off). Kept
+    and recomputed prefixes and checkpointed layers give the per-sequence gradients."""
+    model = tiny_hf_model("qwen2", torch.float32, "eager", seed=14).to(DEVICE).train()
+    for i, layer in enumerate(model.model.layers):
+        if compile_ == "torch.compile":
+            model.model.layers[i] = torch.compile(layer, backend="eager")
+        else:
+            layer.compile(backend="eager")
+    torch._dynamo.reset()
+    for options in (dict(max_chunk_tokens=4, recompute=False), dict(max_chunk_tokens=4, recompute=True),
+                    dict(max_chunk_tokens=7, recompute=False, checkpoint_layers=True)):  # fmt: skip
+        assert_tree_backward_matches_each_rollout_alone(model, **options)
+    assert_matches_each_rollout_alone(model)
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
