@@ -10,7 +10,9 @@ Every entry point of dta_ref and dta_fast asks the adapter, nothing else.
 
 PEFT injects its adapters (LoRA) into the wrapped model's own modules, so the
 trunk and head of the inner model already compute the adapted function. A
-compiled model runs its original module eagerly on the tree path. A DDP model
+compiled model runs its original module eagerly on the tree path; layers
+compiled one by one stay compiled, their graphs broken at the attention call
+(or run eagerly, where compiled with ``fullgraph=True``). A DDP model
 runs its trunk through DDP's own call, so DDP prepares its gradient reduction
 as for any forward.
 """
@@ -18,6 +20,7 @@ as for any forward.
 from __future__ import annotations
 
 import functools
+import inspect
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -46,6 +49,16 @@ class ModelShape:
 
 def _is_compiled(module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def _compiled_whole_graph(module) -> bool:
+    """Whether ``torch.compile(module, fullgraph=True)`` or ``module.compile(fullgraph=True)`` compiled
+    it (read from torch._dynamo's compile context; False where that is not found)."""
+    context = getattr(module, "dynamo_ctx", None)  # torch.compile(module)
+    call = getattr(module, "_compiled_call_impl", None)  # module.compile()
+    if context is None and inspect.isfunction(call):
+        context = inspect.getclosurevars(call).nonlocals.get("self")
+    return getattr(context, "fullgraph", False) is True
 
 
 def _is_data_parallel(module) -> bool:
@@ -119,6 +132,12 @@ class ModelAdapter:
         modules = [self.core.model] if self.is_hf else [self.core.embed, self.core.layers, self.core.norm]
         unique = {id(p): p for m in modules + [self.head] for p in m.parameters()}
         return list(unique.values())
+
+    @functools.cached_property
+    def compiled_whole_graph(self) -> bool:
+        """Whether some module inside was compiled with ``fullgraph=True``: the tree path runs the model
+        eagerly then, as such a graph cannot leave the attention call out."""
+        return any(map(_compiled_whole_graph, self.core.modules()))
 
     @property
     def sliding_window(self) -> int | None:
@@ -215,8 +234,10 @@ class ModelAdapter:
         """
         # Never traced into a layer the user compiled: attend's state lives outside autograd (the chunked
         # engine's K/V stores, read and written by its backward), which a graph would freeze when traced.
+        # Compiled modules break their graph there; those compiled whole-graph cannot, and run eagerly.
         attend = torch.compiler.disable(attend)
-        with self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
+        eagerly = torch.compiler.set_stance("force_eager") if self.compiled_whole_graph else nullcontext()
+        with eagerly, self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):
                     return self.data_parallel(input_ids, position_ids, attend)
@@ -231,7 +252,9 @@ class ModelAdapter:
         with ExitStack() as stack:
             for layer in [] if all_own else self.layers:
                 if not _checkpoints_itself(layer):
-                    stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, layer.forward)))
+                    # the recompute, in the backward, runs as the forward did: eagerly where hidden_states does
+                    forward = functools.partial(_eagerly, layer.forward) if self.compiled_whole_graph else layer.forward
+                    stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, forward)))
             yield
 
     def _trunk(self, input_ids, position_ids, attend):
@@ -275,6 +298,11 @@ def _checkpoints_itself(layer: nn.Module) -> bool:
 
 def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _eagerly(forward, *args, **kwargs):
+    with torch.compiler.set_stance("force_eager"):
+        return forward(*args, **kwargs)
 
 
 @contextmanager

@@ -282,18 +282,20 @@ def test_torch_compiled_model():
     assert_matches_each_rollout_alone(compiled, model)
 
 
-@pytest.mark.parametrize("compile_", ["torch.compile", "Module.compile"])
-def test_layers_compiled_one_by_one(compile_):
+@pytest.mark.parametrize("compile_, fullgraph", [("torch.compile", True), ("Module.compile", False)])
+def test_layers_compiled_one_by_one(compile_, fullgraph):
     """Layers the user compiled one by one (the whole model's compile is unwrapped instead): the attention
     call stays outside their graphs, which would otherwise trace the chunked engine's K/V stores into them
-    and freeze at trace time what the backward reads there (the gradients then were 20-100% off). Kept
-    and recomputed prefixes and checkpointed layers give the per-sequence gradients."""
+    and freeze at trace time what the backward reads there (the gradients then were 20-100% off); layers
+    compiled with fullgraph=True, which cannot leave it out, run eagerly, the engine's recomputes too.
+    Kept and recomputed prefixes and checkpointed layers give the per-sequence gradients."""
     model = tiny_hf_model("qwen2", torch.float32, "eager", seed=14).to(DEVICE).train()
     for i, layer in enumerate(model.model.layers):
         if compile_ == "torch.compile":
-            model.model.layers[i] = torch.compile(layer, backend="eager")
+            model.model.layers[i] = torch.compile(layer, backend="eager", fullgraph=fullgraph)
         else:
-            layer.compile(backend="eager")
+            layer.compile(backend="eager", fullgraph=fullgraph)
+    assert dta_ref.adapt(model).compiled_whole_graph == fullgraph
     torch._dynamo.reset()
     for options in (dict(max_chunk_tokens=4, recompute=False), dict(max_chunk_tokens=4, recompute=True),
                     dict(max_chunk_tokens=7, recompute=False, checkpoint_layers=True)):  # fmt: skip
