@@ -64,6 +64,9 @@ SHAPES = {
         dict(name="causal 16K (one sequence)", kind="chain", T=16384, H=32, Hkv=32),
     ],
 }
+# the other GRPO and the DualKV trees at the Qwen2-0.5B heads, which "qwen2" does not hold
+SHAPES["qwen2_rest"] = [dict(s, name=f"{s['name']}, D=64 GQA 14/2", H=14, Hkv=2, D=64)
+                        for s in SHAPES["grpo"][2:] + SHAPES["dualkv"]]  # fmt: skip
 HEAD_DIM = 128  # unless the shape says otherwise
 METHODS = ("tree", "tree_call", "flex", "sdpa", "sdpa_flash", "dense", "tree_fwd", "flex_fwd")
 EVENT_REPEATS = 30

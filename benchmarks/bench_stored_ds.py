@@ -294,6 +294,8 @@ def bench_shape(shape, rounds, sampler=None, sustain=0.0):
     delta, lse_bwd, do_finite, q_finite = attention._backward_preprocess(o, do, q, lse)
     k_finite = attention._finite_rows(k)[0]
     order = schedule.key_block_order(attention_hopper.DKDV_BLOCK_M, attention_hopper.DKDV_BLOCK_N)
+    shares = schedule.dkdv_shares(H, 1, D)  # one query head per K/V head: one program per key block
+    workspace = shares.workspace(D, "cuda")
     lists = schedule.block_lists(attention_hopper.DQ_BLOCK_M, attention_hopper.DQ_BLOCK_N)
     base, tiles = ds_tiles(end, T)
     ds = torch.empty(H, tiles * 2 * ROWS.value, ROWS.value, device="cuda", dtype=torch.bfloat16)
@@ -301,7 +303,7 @@ def bench_shape(shape, rounds, sampler=None, sustain=0.0):
 
     def two_passes():  # the library's kernels
         attention_hopper.backward_dkdv(q_finite, k, v_finite, do_finite, lse_bwd, delta, out["dk"], out["dv"], end,
-                                       order, qk_scale, scale, 0, H, 1, 0)  # fmt: skip
+                                       order, qk_scale, scale, 0, H, shares, workspace)  # fmt: skip
         attention_hopper.backward_dq(q, k_finite, v_finite, do, lse_bwd, delta, out["dq"], end, lists, qk_scale,
                                      scale, (0, 0))  # fmt: skip
 
@@ -330,7 +332,7 @@ def bench_shape(shape, rounds, sampler=None, sustain=0.0):
         "two passes (now)": two_passes,
         "dK/dV pass (now)": lambda: attention_hopper.backward_dkdv(
             q_finite, k, v_finite, do_finite, lse_bwd, delta, out["dk"], out["dv"], end, order, qk_scale, scale, 0, H,
-            1, 0),  # fmt: skip
+            shares, workspace),  # fmt: skip
         "dQ pass (now)": lambda: attention_hopper.backward_dq(
             q, k_finite, v_finite, do, lse_bwd, delta, out["dq"], end, lists, qk_scale, scale, (0, 0)),
         "dK/dV storing dS, dQ from it": lambda: (dkdv("stored"), dq_from_ds()),

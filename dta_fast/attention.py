@@ -14,9 +14,10 @@ autograd Function and the public ``tree_attention``.
   consecutive keys these ranges chain, so a key block's live queries are one
   contiguous range. The kernel walks it directly, summing over the query
   heads of its GQA group in registers: no atomics, bitwise deterministic.
-  Where those programs are too few for the GPU (few K/V heads, a short
-  call), each group's heads are split over several programs whose float32
-  partials one more pass adds in split order (``_dkdv_splits``).
+  Where a key block would hold more than its share of the GPU (a shared
+  prompt's keys walk every query; few K/V heads; a short call), its
+  group's heads are shared out over several programs whose float32
+  partials one more pass adds in share order (``DkdvShares``).
 - Blocks whose every (query, key) pair is visible (full blocks) run in a loop
   of their own, without mask code: the lists hold a row's full key blocks
   first, and a key block's full query blocks are a contiguous run.
@@ -151,8 +152,9 @@ class TreeSchedule:
 
     ``block_lists(BLOCK_M, BLOCK_N)`` lists, per query block, its live key
     blocks; ``key_block_order`` ranks the key blocks by the queries they walk
-    in dK/dV. Both are built on the GPU without waiting for it, once per
-    block shape, and kept; except inside a CUDA graph capture, where a
+    in dK/dV; ``dkdv_shares`` shares out the query heads of the key blocks
+    that walk the most. Each is built on the GPU without waiting for it, once
+    per block shape (or head layout), and kept; except inside a CUDA graph capture, where a
     kernel only records its work: what it builds there is filled in when the
     graph replays, so it serves that graph and is not kept for later calls.
     """
@@ -161,6 +163,8 @@ class TreeSchedule:
     num_queries: int
     _lists: dict = field(default_factory=dict, repr=False)
     _order: dict = field(default_factory=dict, repr=False)
+    _work: dict = field(default_factory=dict, repr=False)
+    _shares: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         # what the kernels assume of it; build_schedule also checks the tree (a host sync)
@@ -207,11 +211,32 @@ class TreeSchedule:
         if key in self._order:
             return self._order[key]
         BLOCK_M, BLOCK_N = key = _block_shape(BLOCK_M, BLOCK_N)
-        work = _key_block_work(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
-        order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+        order = torch.argsort(self._key_block_work(BLOCK_M, BLOCK_N), descending=True, stable=True).to(torch.int32)
         if not self._capturing():
             self._order[key] = order
         return order
+
+    def _key_block_work(self, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
+        """int32 [B * Nk]: the query blocks each key block's dK/dV program walks (key_block_work_kernel)."""
+        key = (BLOCK_M, BLOCK_N)
+        if key in self._work:
+            return self._work[key]
+        work = _key_block_work(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+        if not self._capturing():
+            self._work[key] = work
+        return work
+
+    def dkdv_shares(self, heads_per_row: int, group: int, head_dim: int) -> DkdvShares:
+        """How dK/dV shares out each key unit's query heads among programs so that none holds much more
+        than its share of the GPU (a shared prompt's keys walk every query, times the GQA group)."""
+        key = (heads_per_row, group, head_dim)
+        if key in self._shares:
+            return self._shares[key]
+        work = self._key_block_work(DKDV_SPLIT_QUERY_BLOCK, DKDV_SPLIT_UNIT)
+        shares = _dkdv_shares(work, heads_per_row, group, head_dim)
+        if not self._capturing():
+            self._shares[key] = shares
+        return shares
 
     def _capturing(self) -> bool:
         return self.subtree_end.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -342,6 +367,48 @@ def key_block_work_kernel(
 SCHEDULE_CHUNK = 16  # key blocks a schedule program looks at per step
 
 
+@triton.jit
+def _unit_shares(work, total, F, heads_per_row, GROUP, SMS):
+    """Programs sharing each unit's query heads when each should hold at most 1 / (F x SMS) of the
+    dK/dV work: ceil(work x F x SMS / (total x heads_per_row)), between 1 and GROUP."""
+    den = tl.maximum(total * heads_per_row, 1)
+    shares = (work.to(tl.int64) * F * SMS + den - 1) // den
+    return tl.minimum(tl.maximum(shares, 1), GROUP).to(tl.int32)
+
+
+@triton.jit
+def dkdv_shares_kernel(
+    WORK, SHARES, FIRST, N, heads_per_row, GROUP, SMS, F_MAX, CAPACITY,
+    NUM_F: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One program: SHARES [N] and FIRST [N] of _dkdv_shares from the units' WORK [N], for the
+    largest F in F_MAX, F_MAX / 2, ..., 1, 0 whose workspace slots fit CAPACITY (F = 0 splits nothing)."""
+    total = tl.zeros([], dtype=tl.int64)
+    for start in range(0, N, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        total += tl.sum(tl.load(WORK + offs, mask=offs < N, other=0).to(tl.int64), 0)
+    chosen = tl.zeros([], dtype=tl.int64)
+    found = tl.zeros([], dtype=tl.int1)
+    for i in tl.static_range(NUM_F):
+        F = F_MAX >> i
+        slots = tl.zeros([], dtype=tl.int64)
+        for start in range(0, N, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            shares = _unit_shares(tl.load(WORK + offs, mask=offs < N, other=0), total, F, heads_per_row, GROUP, SMS)
+            slots += tl.sum(tl.where((shares > 1) & (offs < N), shares, 0).to(tl.int64), 0)
+        take = (found == 0) & (slots * heads_per_row <= CAPACITY)
+        chosen = tl.where(take, F, chosen)
+        found = found | take
+    first = tl.zeros([], dtype=tl.int32)  # a running exclusive sum of the split units' shares
+    for start in range(0, N, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        shares = _unit_shares(tl.load(WORK + offs, mask=offs < N, other=0), total, chosen, heads_per_row, GROUP, SMS)
+        taken = tl.where(shares > 1, shares, 0)
+        tl.store(SHARES + offs, shares, mask=offs < N)
+        tl.store(FIRST + offs, first + tl.cumsum(taken, 0) - taken, mask=offs < N)
+        first += tl.sum(tl.where(offs < N, taken, 0), 0)
+
+
 def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
     """[B * Nk] int32: query blocks each key block's dK/dV program walks."""
     B, Tk = subtree_end.shape
@@ -351,6 +418,56 @@ def _key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
         subtree_end, work, subtree_end.stride(0), Tq, Tk, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
     )  # fmt: skip
     return work
+
+
+# dK/dV runs a program per (key block, K/V head), which walks every query head of its GQA group. The
+# key blocks every query sees (a tree's prompt) then take GROUP times a query head's share, and with few
+# K/V heads or a short call the programs are too few for the GPU. Where a unit of DKDV_SPLIT_UNIT keys
+# would hold more than 1 / (DKDV_SPLIT_PROGRAMS_PER_SM x SMs) of the pass's work, its query heads are
+# shared out over programs whose float32 partials are summed after, in share order: deterministic, and
+# the same shares for both kernels (units of 128 keys whatever the kernel's own key block), so the
+# Triton and Hopper kernels stay bitwise twins. Decided on the GPU from the schedule: no host sync.
+DKDV_SPLIT_PROGRAMS_PER_SM = 4  # aim: no program above 1 / (this x SMs) of the work
+DKDV_SPLIT_WORKSPACE_BYTES = 64 << 20  # at most this much float32 partials (the planners' headroom covers it)
+DKDV_SPLIT_UNIT = 128  # keys per unit: the Hopper kernel's key block
+DKDV_SPLIT_QUERY_BLOCK = 64  # the query block the work is counted in (both kernels' dK/dV step)
+
+
+@dataclass(frozen=True)
+class DkdvShares:
+    """How dK/dV shares out each unit's query heads (``TreeSchedule.dkdv_shares``): per (schedule row,
+    unit of DKDV_SPLIT_UNIT keys), ``shares[u]`` programs, each with a contiguous share of a GQA
+    group's query heads. A unit of one share writes dK and dV itself; the shares of a split unit write
+    float32 partials into workspace slots ``(first[u] + share) * heads_per_row + (batch, K/V head)``,
+    which one more pass adds in share order (deterministic)."""
+
+    shares: torch.Tensor  # [B * NU] int32, 1 .. group
+    first: torch.Tensor  # [B * NU] int32: the unit's first slot group, where shares > 1
+    max_shares: int  # the grid's programs per (key block, batch, K/V head): the group, or 1 with nothing to split
+    slots: int  # workspace slots the shares may use (a bound, known on the host)
+
+    def workspace(self, head_dim: int, device) -> torch.Tensor:
+        """The float32 partials' room: ``slots`` [dK, dV] tiles of a unit's keys."""
+        return torch.empty(max(self.slots, 1), 2, DKDV_SPLIT_UNIT, head_dim, device=device, dtype=torch.float32)
+
+
+def _dkdv_shares(work, heads_per_row: int, group: int, head_dim: int) -> DkdvShares:
+    """DkdvShares from ``work`` [B * NU], the query blocks (of DKDV_SPLIT_QUERY_BLOCK) each unit walks."""
+    units = work.numel()
+    shares, first = torch.ones(2, units, dtype=torch.int32, device=work.device)
+    if group == 1 or units == 0:  # one query head per K/V head: nothing to share out
+        return DkdvShares(shares, first, 1, 0)
+    per_slot = 2 * DKDV_SPLIT_UNIT * head_dim * 4  # a float32 dK and dV tile of one unit
+    sms = _sm_count(work.device)
+    # the largest F's slots stay under 2 F x SMs (docs/benchmarks.md, "dK/dV shares"), and under every
+    # unit split into every head
+    slots = min(DKDV_SPLIT_WORKSPACE_BYTES // per_slot, 2 * DKDV_SPLIT_PROGRAMS_PER_SM * sms,
+                units * heads_per_row * group)  # fmt: skip
+    dkdv_shares_kernel[(1,)](
+        work, shares, first, units, heads_per_row, group, sms, DKDV_SPLIT_PROGRAMS_PER_SM, slots,
+        NUM_F=DKDV_SPLIT_PROGRAMS_PER_SM.bit_length() + 1, CHUNK=256 if not INTERPRET else 16,
+    )  # fmt: skip
+    return DkdvShares(shares, first, group if slots > 0 else 1, slots)
 
 
 def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
@@ -675,7 +792,7 @@ def _dkdv_query_blocks(
 @triton.autotune(configs=_configs("dkdv"), key=["HEAD_DIM", "BLOCK_M", "BLOCK_N", "SIZE_CLASS"])
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def tree_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, END, ORDER,
+    Q, K, V, DO, LSE, DELTA, DK, DV, END, ORDER, SHARES, FIRST, WS,
     qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
@@ -683,14 +800,15 @@ def tree_attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dot,
     stride_dkb, stride_dkh, stride_dkt,
     stride_dvb, stride_dvh, stride_dvt,
-    stride_eb, heads_per_row, stride_rows, SPLITS, stride_split,
+    stride_eb, heads_per_row, stride_rows, SPLITS,
     Hq, Hkv, GROUP, Tq, Tk, SIZE_CLASS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UNIT: tl.constexpr,
 ):  # fmt: skip
     # Programs run longest key block first: ORDER lists (schedule batch, key block) rows, and a
     # row's heads_per_row (batch, K/V head) pairs run side by side (a shared schedule has one batch row),
-    # each as SPLITS programs that take a share of the GQA group's query heads (_dkdv_splits).
+    # each as SPLITS programs, of which the first SHARES[unit] take a share of the GQA group's query
+    # heads (DkdvShares) and the others have nothing to do.
     pid = tl.program_id(0)
     split = pid % SPLITS
     pid = pid // SPLITS
@@ -698,6 +816,9 @@ def tree_attention_bwd_dkdv_kernel(
     rest = pid % heads_per_row
     num_n_blocks = tl.cdiv(Tk, BLOCK_N)
     pid_n = row % num_n_blocks
+    unit = (row // num_n_blocks) * tl.cdiv(Tk, UNIT) + pid_n * BLOCK_N // UNIT
+    shares = tl.load(SHARES + unit)
+    live = split < shares
     b = ((row // num_n_blocks) * (heads_per_row // Hkv) + rest // Hkv).to(tl.int64)
     hk = (rest % Hkv).to(tl.int64)
     q_offset = Tk - Tq
@@ -729,7 +850,7 @@ def tree_attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    for g in range(split * GROUP // SPLITS, (split + 1) * GROUP // SPLITS):
+    for g in range(tl.where(live, split * GROUP // shares, 0), tl.where(live, (split + 1) * GROUP // shares, 0)):
         h = hk * GROUP + g
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
@@ -744,13 +865,17 @@ def tree_attention_bwd_dkdv_kernel(
                                     q_offset, offs_d, mask_d, qk_scale, stride_qt, stride_dot, Tq,
                                     BLOCK_M, True, EVEN_D, DOT_PRECISION)  # fmt: skip
 
-    # with SPLITS > 1, DK and DV are float32 partials, one per split (stride_split apart)
-    DK += split * stride_split
-    DV += split * stride_split
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=mask_nd)
+    if live:  # the grid's surplus programs write nothing
+        if shares == 1:
+            tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+                     (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
+            tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+                     dv.to(DV.dtype.element_ty), mask=mask_nd)
+        else:  # the share's float32 partials, in its workspace slot: [dK, dV] tiles of the unit's keys
+            slot = (tl.load(FIRST + unit) + split).to(tl.int64) * heads_per_row + rest
+            tile = WS + slot * (2 * UNIT * HEAD_DIM) + (offs_n % UNIT)[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(tile, dk * sm_scale, mask=mask_nd)
+            tl.store(tile + UNIT * HEAD_DIM, dv, mask=mask_nd)
 
 
 @triton.jit
@@ -1052,86 +1177,72 @@ def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
     end = schedule.subtree_end
     heads_per_row = B // max(end.shape[0], 1) * Hkv  # an empty batch may bring an empty [0, Tk] tree
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    splits = _dkdv_splits(B, Hkv, Tk, D, Hq // Hkv, q.device)
-    if splits == 1:
-        out_k, out_v, stride_split = dk, dv, 0
-    else:  # float32 partials of each split, summed below in split order
-        partials = torch.empty(2, splits, B, Hkv, Tk, D, device=q.device, dtype=torch.float32)
-        out_k, out_v, stride_split = partials[0, 0], partials[1, 0], partials.stride(1)
+    shares = schedule.dkdv_shares(heads_per_row, Hq // Hkv, D)
+    workspace = shares.workspace(D, q.device)
+    assert DKDV_SPLIT_UNIT % BN == 0, "a dK/dV program's keys lie in one share unit"
     if attention_hopper.applies(q, k, v, do):
         order = schedule.key_block_order(attention_hopper.DKDV_BLOCK_M, attention_hopper.DKDV_BLOCK_N)
-        attention_hopper.backward_dkdv(q, k, v, do, lse, delta, out_k, out_v, end, order, sm_scale * LOG2E, sm_scale,
-                                       _batch_strides(end, 0)[0], heads_per_row, splits, stride_split)  # fmt: skip
+        attention_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, sm_scale * LOG2E, sm_scale,
+                                       _batch_strides(end, 0)[0], heads_per_row, shares, workspace)  # fmt: skip
     else:
         order = schedule.key_block_order(BM, BN)
         args = (
-            q, k, v, do, lse, delta, out_k, out_v, end, order,
+            q, k, v, do, lse, delta, dk, dv, end, order, shares.shares, shares.first, workspace,
             sm_scale * LOG2E, sm_scale,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(out_k), *_strides(out_v),
-            _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), splits, stride_split,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+            _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), shares.max_shares,
             Hq, Hkv, Hq // Hkv, Tq, Tk,
         )  # fmt: skip
-        _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row * splits,), args, D, BM, BN,
-                      _size_class(Tq), q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
-    if splits > 1:
-        _sum_dkdv_partials(partials, dk, dv)
+        _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row * shares.max_shares,), args, D,
+                      BM, BN, _size_class(Tq), q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype),
+                      UNIT=DKDV_SPLIT_UNIT)  # fmt: skip
+    if shares.max_shares > 1:
+        _sum_dkdv_shares(workspace, shares, dk, dv, heads_per_row)
     return dk, dv
 
 
 @triton.jit
-def dkdv_partials_sum_kernel(
-    PARTIALS, DK, DV, SPLITS, stride_kv, stride_split, stride_pb, stride_ph,
+def dkdv_shares_sum_kernel(
+    WS, SHARES, FIRST, DK, DV,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-    H, T,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    heads_per_row, Hkv, NU, Tk,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UNIT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """DK and DV [B, H, T, D] = the sums of their float32 partials [2, SPLITS, B, H, T, D] over the
-    splits, added in split order (deterministic), in DK's dtype: one pass for both."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b, h = pid_bh // H, pid_bh % H
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t < T)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows = PARTIALS + b * stride_pb + h * stride_ph + offs_t[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
-    dk = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for s in range(SPLITS):
-        dk += tl.load(rows + s * stride_split, mask=mask, other=0.0)
-        dv += tl.load(rows + stride_kv + s * stride_split, mask=mask, other=0.0)
-    tl.store(DK + b * stride_dkb + h * stride_dkh + offs_t[:, None] * stride_dkt + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(DV + b * stride_dvb + h * stride_dvh + offs_t[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
+    """dK and dV of the split units (DkdvShares): the sums of their shares' float32 partials, added in
+    share order (deterministic), in DK's dtype. One program per (schedule row x unit, batch x K/V head)."""
+    unit = tl.program_id(0)
+    rest = tl.program_id(1)
+    shares = tl.load(SHARES + unit)
+    if shares > 1:
+        b = ((unit // NU) * (heads_per_row // Hkv) + rest // Hkv).to(tl.int64)
+        hk = (rest % Hkv).to(tl.int64)
+        slot = tl.load(FIRST + unit).to(tl.int64) * heads_per_row + rest
+        offs_d = tl.arange(0, BLOCK_D)
+        for t0 in range(0, UNIT, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            keys = (unit % NU) * UNIT + offs_t
+            mask = (keys < Tk)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            tile = offs_t[:, None] * HEAD_DIM + offs_d[None, :]
+            dk = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for s in range(0, shares):
+                partial = WS + (slot + s * heads_per_row) * (2 * UNIT * HEAD_DIM)
+                dk += tl.load(partial + tile, mask=mask, other=0.0)
+                dv += tl.load(partial + UNIT * HEAD_DIM + tile, mask=mask, other=0.0)
+            tl.store(DK + b * stride_dkb + hk * stride_dkh + keys[:, None] * stride_dkt + offs_d[None, :],
+                     dk.to(DK.dtype.element_ty), mask=mask)  # fmt: skip
+            tl.store(DV + b * stride_dvb + hk * stride_dvh + keys[:, None] * stride_dvt + offs_d[None, :],
+                     dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
 
 
-def _sum_dkdv_partials(partials, dk, dv):
-    """dk, dv [B, Hkv, Tk, D] from the float32 partials [2, splits, B, Hkv, Tk, D] of a split dK/dV."""
-    _, splits, B, H, T, D = partials.shape
-    BLOCK_T = 16 if INTERPRET else 64
-    dkdv_partials_sum_kernel[(_cdiv(T, BLOCK_T), B * H)](
-        partials, dk, dv, splits, partials.stride(0), partials.stride(1), partials.stride(2), partials.stride(3),
-        *_strides(dk), *_strides(dv), H, T, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
+def _sum_dkdv_shares(workspace, shares: DkdvShares, dk, dv, heads_per_row):
+    """dk, dv [B, Hkv, Tk, D] of the split units, from their shares' partials in ``workspace``."""
+    _, Hkv, Tk, D = dk.shape
+    dkdv_shares_sum_kernel[(shares.shares.numel(), heads_per_row)](
+        workspace, shares.shares, shares.first, dk, dv, *_strides(dk), *_strides(dv), heads_per_row, Hkv,
+        _cdiv(Tk, DKDV_SPLIT_UNIT), Tk, HEAD_DIM=D, BLOCK_D=_block_d(D), UNIT=DKDV_SPLIT_UNIT,
+        BLOCK_T=16 if INTERPRET else 32,
     )  # fmt: skip
-
-
-# dK/dV runs a program per (key block, K/V head): with few K/V heads and a short call these are too few
-# to fill the GPU, and the key blocks every query sees (a tree's prompt) take GROUP times as long as a
-# query head's share. Such calls split each GQA group's query heads over SPLITS programs whose float32
-# partials are summed after, in split order: deterministic, and the same split for both kernels (counted
-# in key blocks of 128 whatever the kernel's own), so the Triton and Hopper kernels stay bitwise twins.
-DKDV_SPLIT_PROGRAMS_PER_SM = 4  # programs wanted per SM before a split pays
-DKDV_SPLIT_WORKSPACE_BYTES = 64 << 20  # at most this much float32 partials (the planners' headroom covers it)
-
-
-def _dkdv_splits(B: int, Hkv: int, Tk: int, D: int, group: int, device: torch.device) -> int:
-    """How many programs share a (key block, K/V head)'s query heads: 1 when its programs fill the GPU."""
-    programs = B * Hkv * _cdiv(Tk, 128)
-    wanted = DKDV_SPLIT_PROGRAMS_PER_SM * _sm_count(device)
-    if group == 1 or programs == 0 or programs >= wanted:  # programs == 0: an empty batch
-        return 1
-    affordable = DKDV_SPLIT_WORKSPACE_BYTES // (2 * B * Hkv * Tk * D * 4)
-    return max(1, min(group, _cdiv(wanted, programs), affordable))
 
 
 _SM_COUNT: dict = {}

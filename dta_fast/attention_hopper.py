@@ -21,7 +21,7 @@ that product does.
 dK/dV (``tree_attention_bwd_dkdv_hopper_kernel``): a key block of 128, one compute warpgroup per 64
 keys holding its dK and dV; the loader brings K and V once, then per step the Q and dO tiles of 64
 queries with their rows' LSE and delta, over the query heads of the GQA group (or the program's
-share of them, attention._dkdv_splits) and the key block's contiguous query range (masked head, full
+share of them, attention.DkdvShares) and the key block's contiguous query range (masked head, full
 middle, masked tail).
 
 dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks at head dim 128 (64 queries, key
@@ -299,22 +299,23 @@ DKDV_BLOCK_M, DKDV_BLOCK_N = 64, 128  # queries per step; keys per program (two 
 DKDV_STAGES = 3
 
 
-def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scale, stride_eb, heads_per_row, splits,
-                  stride_split):  # fmt: skip
+def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scale, stride_eb, heads_per_row, shares,
+                  workspace):  # fmt: skip
     """Write dk, dv as ``tree_attention_bwd_dkdv_kernel`` does (q, do with their non-finite rows zeroed,
-    v the forward's; lse and delta the preprocess pass's; with ``splits`` > 1 float32 partials, one per
-    share of the query heads, ``stride_split`` apart); ``order`` is the schedule's key-block order for
-    (DKDV_BLOCK_M, DKDV_BLOCK_N)."""
+    v the forward's; lse and delta the preprocess pass's; ``shares`` the schedule's attention.DkdvShares,
+    whose split units' float32 partials go to ``workspace`` [slots, 2, DKDV_BLOCK_N, D]); ``order`` is
+    the schedule's key-block order for (DKDV_BLOCK_M, DKDV_BLOCK_N)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
+    assert workspace.shape[2] == DKDV_BLOCK_N, "a share unit is one key block of this kernel"
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     block = [1, 1, DKDV_BLOCK_M, D]
     descs = [_descriptor(x, block, dtype) for x in (q, k, v, do)]
     # the rows' LSE and delta come through TMA too ([B, Hq, Tq] rows of 16-byte multiples), plain layout
     rows = [_descriptor(x, [1, 1, DKDV_BLOCK_M], gl.float32) for x in (lse, delta)]
-    tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row * splits,)](
-        *descs, *rows, dk, dv, end, order, qk_scale, sm_scale,
-        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, splits, stride_split, Hkv, Hq // Hkv, Tq, Tk,
+    tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row * shares.max_shares,)](
+        *descs, *rows, dk, dv, end, order, shares.shares, shares.first, workspace, qk_scale, sm_scale,
+        *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, shares.max_shares, Hkv, Hq // Hkv, Tq, Tk,
         STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
     )  # fmt: skip
 
@@ -379,12 +380,14 @@ if HAVE_GLUON:
         return i + 1, dk, dv
 
     @gluon.jit
-    def _dkdv_compute(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                      sm_scale, qk_scale, b, hk, n0, GROUP, SPLITS, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                      stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, stride_split,
+    def _dkdv_compute(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, WS, END,
+                      sm_scale, qk_scale, b, hk, n0, h_lo, h_hi, slot, Tq, Tk, m_lo, m_full_lo, m_full_hi,
+                      m_hi, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
                       HALF):  # fmt: skip
         """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the program's query
-        heads and their live query blocks (masked head, full middle, masked tail), then stored."""
+        heads h_lo .. h_hi - 1 and their live query blocks (masked head, full middle, masked tail), then
+        stored: in DK and DV, or (``slot`` >= 0) as float32 partials in that workspace slot, where the key
+        block's heads are shared out (attention.DkdvShares)."""
         ROWS: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         KEYS: gl.constexpr = k_bufs.shape[3]
@@ -399,8 +402,7 @@ if HAVE_GLUON:
         k = k_bufs.index(HALF).reshape([KEYS, HEAD_DIM])
         v = v_bufs.index(HALF).reshape([KEYS, HEAD_DIM])
         i = 0
-        split = gl.program_id(0) % SPLITS
-        for _ in range(split * GROUP // SPLITS, (split + 1) * GROUP // SPLITS):  # the program's query heads
+        for _ in range(h_lo, h_hi):  # the program's query heads
             for m in range(m_lo, m_full_lo):
                 i, dk, dv = _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n,
                                        end_n, q_offset, qk_scale, True, s_layout, o_layout)  # fmt: skip
@@ -413,15 +415,18 @@ if HAVE_GLUON:
 
         offs_no = gl.convert_layout(offs_n, gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        mask = (offs_no < Tk)[:, None]
+        live = h_hi > h_lo  # a share has a head at least; the grid's surplus programs have none
+        direct = (offs_no < Tk)[:, None] & live & (slot < 0)
+        partial = (offs_no < Tk)[:, None] & live & (slot >= 0)
         b64 = b.to(gl.int64)
         hk64 = hk.to(gl.int64)
-        DK += split * stride_split  # float32 partials of the program's share when SPLITS > 1
-        DV += split * stride_split
         gl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + offs_no[:, None] * stride_dkt + offs_d[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)  # fmt: skip
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=direct)  # fmt: skip
         gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + offs_no[:, None] * stride_dvt + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=mask)  # fmt: skip
+                 dv.to(DV.dtype.element_ty), mask=direct)  # fmt: skip
+        tile = WS + slot.to(gl.int64) * (4 * KEYS * HEAD_DIM) + (offs_no - n0)[:, None] * HEAD_DIM + offs_d[None, :]  # [dK, dV]
+        gl.store(tile, dk * sm_scale, mask=partial)
+        gl.store(tile + 2 * KEYS * HEAD_DIM, dv, mask=partial)
 
     @gluon.jit
     def _key_block_query_blocks(END, n0, Tq, Tk, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -441,18 +446,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def tree_attention_bwd_dkdv_hopper_kernel(
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, END, ORDER,
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, END, ORDER, SHARES, FIRST, WS,
         qk_scale, sm_scale,
         stride_dkb, stride_dkh, stride_dkt,
         stride_dvb, stride_dvh, stride_dvt,
-        stride_eb, heads_per_row, SPLITS, stride_split,
+        stride_eb, heads_per_row, SPLITS,
         Hkv, GROUP, Tq, Tk,
         STAGES: gl.constexpr,
     ):  # fmt: skip
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N_: gl.constexpr = 2 * ROWS
         # the program's (batch, K/V head, key block, share of the query heads), longest first (as
-        # tree_attention_bwd_dkdv_kernel)
+        # tree_attention_bwd_dkdv_kernel); a key block is a share unit (attention.DkdvShares), so the
+        # ORDER row is the unit
         pid = gl.program_id(0)
         split = pid % SPLITS
         pid = pid // SPLITS
@@ -463,8 +469,11 @@ if HAVE_GLUON:
         b = (row // num_n_blocks) * (heads_per_row // Hkv) + rest // Hkv
         hk = rest % Hkv
         n0 = pid_n * BLOCK_N_
-        h_lo = hk * GROUP + split * GROUP // SPLITS
-        h_hi = hk * GROUP + (split + 1) * GROUP // SPLITS
+        shares = gl.load(SHARES + row)
+        live = split < shares  # the first `shares` programs of the key block take a share each
+        h_lo = hk * GROUP + gl.where(live, split * GROUP // shares, 0)
+        h_hi = hk * GROUP + gl.where(live, (split + 1) * GROUP // shares, 0)
+        slot = gl.where(shares > 1, (gl.load(FIRST + row) + split) * heads_per_row + rest, -1)  # < 2**31 (its bound)
         END += b.to(gl.int64) * stride_eb
         m_lo, m_full_lo, m_full_hi, m_hi = _key_block_query_blocks(END, n0, Tq, Tk, ROWS, BLOCK_N_)
 
@@ -476,10 +485,9 @@ if HAVE_GLUON:
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
 
-        compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, END,
-                        sm_scale, qk_scale, b, hk, n0, GROUP, SPLITS, Tq, Tk, m_lo, m_full_lo, m_full_hi, m_hi,
-                        stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-                        stride_split)  # fmt: skip
+        compute_args = (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar, ready, empty, DK, DV, WS, END,
+                        sm_scale, qk_scale, b, hk, n0, h_lo, h_hi, slot, Tq, Tk, m_lo, m_full_lo, m_full_hi,
+                        m_hi, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt)  # fmt: skip
         loader_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                        lse_bufs, delta_bufs, kv_bar, ready, empty, b, n0, hk, h_lo, h_hi, m_lo, m_hi)  # fmt: skip
         first, second = compute_args + (gl.to_tensor(0),), compute_args + (gl.to_tensor(1),)

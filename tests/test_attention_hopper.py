@@ -62,7 +62,7 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
         kernel, stages, maxnreg = H.tree_attention_bwd_dkdv_hopper_kernel, H.DKDV_STAGES, 168
         args = dict(q_desc=desc(H.DKDV_BLOCK_M), k_desc=desc(H.DKDV_BLOCK_N // 2), v_desc=desc(H.DKDV_BLOCK_N // 2),
                     do_desc=desc(H.DKDV_BLOCK_M), lse_desc=rows, delta_desc=rows, DK=x, DV=x, END=ints, ORDER=ints,
-                    sm_scale=0.1, heads_per_row=4, SPLITS=2, stride_split=8000, Hkv=4, **scalars,
+                    SHARES=ints, FIRST=ints, WS=floats, sm_scale=0.1, heads_per_row=4, SPLITS=2, Hkv=4, **scalars,
                     **{f"stride_dk{d}": v for d, v in strides.items()},
                     **{f"stride_dv{d}": v for d, v in strides.items()})  # fmt: skip
     else:

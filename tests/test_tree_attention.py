@@ -217,46 +217,89 @@ def test_deterministic():
 
 
 
-def test_dkdv_splits_only_where_programs_are_too_few(monkeypatch):
-    """dK/dV splits a GQA group's query heads over programs only where its (key block, K/V head)
-    programs are too few for the device, at most one per query head and within its workspace."""
+def expected_shares(work, heads_per_row, group, slots, sms):
+    """DkdvShares.shares by its rule, written out in NumPy: the largest F of 4, 2, 1, 0 whose split units
+    fit ``slots``, then ceil(work x F x SMs / (total x heads_per_row)) between 1 and group."""
+    work = np.asarray(work, dtype=np.int64)
+    den = max(int(work.sum()) * heads_per_row, 1)
+    for F in (4, 2, 1, 0):
+        shares = np.clip(-(-work * F * sms // den), 1, group)
+        if np.where(shares > 1, shares, 0).sum() * heads_per_row <= slots:
+            return shares.tolist()
+
+
+def test_dkdv_shares_follow_the_work(monkeypatch):
+    """dK/dV shares a unit's query heads out over programs where its work is more than a program's share
+    of the GPU: a long prompt's units, not its short branches'; nothing where every program is small
+    or a K/V head has one query head; within the workspace, whose slots the units take in turn."""
     from dta_fast import attention
 
-    splits, cpu = attention._dkdv_splits, torch.device("cpu")  # the interpreter counts 4 SMs: 16 programs wanted
-    assert splits(1, 2, 128, 64, 1, cpu) == 1  # one query head per K/V head: nothing to split
-    assert splits(1, 2, 8 * 128, 64, 7, cpu) == 1  # 16 programs
-    assert splits(2, 2, 4 * 128, 64, 7, cpu) == 1
-    assert splits(1, 2, 4 * 128, 64, 7, cpu) == 2  # 8 programs
-    assert splits(1, 2, 2 * 128, 64, 7, cpu) == 4
-    assert splits(1, 2, 100, 64, 7, cpu) == 7  # 2 programs would want 8 shares: one per query head
-    partials = 2 * 1 * 2 * 100 * 64 * 4  # bytes of one share's float32 dK and dV
-    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", 3 * partials)
-    assert splits(1, 2, 100, 64, 7, cpu) == 3
-    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", partials - 1)
-    assert splits(1, 2, 100, 64, 7, cpu) == 1
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 16)
+
+    def shares_of(end, heads_per_row, group, head_dim=64):
+        plan = build_schedule(end.to(DEVICE)).dkdv_shares(heads_per_row, group, head_dim)
+        return plan, plan.shares.tolist(), plan.first.tolist()
+
+    # a prompt of 1024 tokens and 64 branches of 8: 12 units of 128 keys
+    tree = PrefixTree.from_sequences([list(range(1024)) + [2000 + 8 * i + j for j in range(8)] for i in range(64)])
+    end = tree.subtree_end
+    work = attention._key_block_work(end[None].int().to(DEVICE), tree.num_tokens, 64, 128).tolist()
+    plan, shares, first = shares_of(end, 2, 7)
+    assert plan.max_shares == 7 and len(shares) == 12
+    assert shares == expected_shares(work, 2, 7, plan.slots, 16)
+    # the prompt's units split, the more the longer they walk; the branches' do not
+    assert min(shares[:8]) > 1 and shares[:8] == sorted(shares[:8], reverse=True) and shares[8:] == [1] * 4
+    assert first == np.concatenate([[0], np.cumsum([x if x > 1 else 0 for x in shares])[:-1]]).tolist()
+    # nothing to split: one query head per K/V head, or programs that each hold little
+    plan, shares, _ = shares_of(end, 2, 1)
+    assert plan.max_shares == 1 and shares == [1] * 12
+    balanced = subtree_end_from_depths([0, 1] * 600)  # 600 two-token roots: every unit walks its own keys
+    assert set(shares_of(balanced, 64, 4)[1]) == {1}
+    # a workspace too small for F = 4 takes a smaller F; one with no room splits nothing
+    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", 2 * 128 * 64 * 4 * 40)  # 40 slots
+    plan, shares, _ = shares_of(end, 2, 7)
+    assert plan.slots == 40 and shares == expected_shares(work, 2, 7, 40, 16)
+    assert 1 < max(shares) < 7 and sum(x for x in shares if x > 1) * 2 <= 40
+    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", 0)
+    plan, shares, _ = shares_of(end, 2, 7)
+    assert plan.max_shares == 1 and shares == [1] * 12
 
 
 @pytest.mark.parametrize("Tq", [45, 19])
-def test_dkdv_split_heads_match_one_program_per_group(Tq, monkeypatch):
-    """Each GQA group's query heads split over programs (float32 partials summed in split order) give
-    the reference's gradients, those of one program per group up to rounding, and bitwise the same
-    gradients again."""
+def test_dkdv_shares_match_one_program_per_group(Tq, monkeypatch):
+    """Each GQA group's query heads shared out over programs (float32 partials summed in share order)
+    give the reference's gradients, those of one program per group up to rounding, and bitwise the
+    same gradients again."""
     from dta_fast import attention
 
     end = subtree_end_from_depths(random_depths(45, np.random.default_rng(11))).to(DEVICE)
     q, k, v = make_qkv(1, 6, 2, Tq, 45, 32, torch.float32, seed=3)
-    chosen = []
-    choose = attention._dkdv_splits
-    monkeypatch.setattr(attention, "_dkdv_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
     monkeypatch.setattr(attention, "DKDV_SPLIT_PROGRAMS_PER_SM", 0)
     whole = check_tree_attention(q, k, v, end)
+    assert build_schedule(end, Tq).dkdv_shares(2, 3, 32).shares.tolist() == [1]
     monkeypatch.setattr(attention, "DKDV_SPLIT_PROGRAMS_PER_SM", 10**6)
     split = check_tree_attention(q, k, v, end)
     again = check_tree_attention(q, k, v, end)
-    assert chosen == [1, 3, 3]
+    assert build_schedule(end, Tq).dkdv_shares(2, 3, 32).shares.tolist() == [3]
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), whole, split, again):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(b, c), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dkdv_shares_on_a_prompt_and_short_branches(dtype, monkeypatch):
+    """Units of 64 keys and 4 SMs, on any device: the prompt's units split over programs, the branches'
+    not, in one call; dK and dV match the reference, and each (batch, K/V head) pair of a split unit
+    gets slots of its own."""
+    from dta_fast import attention
+
+    monkeypatch.setattr(attention, "DKDV_SPLIT_UNIT", 64)  # a multiple of every dK/dV key block at head dim 16
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 4)
+    tree = PrefixTree.from_sequences([list(range(128)) + [200 + 8 * i + j for j in range(8)] for i in range(16)])
+    end = tree.subtree_end.to(DEVICE)
+    assert build_schedule(end).dkdv_shares(2 * 2, 3, 16).shares.tolist() == [2, 2, 1, 1]
+    q, k, v = make_qkv(2, 6, 2, tree.num_tokens, tree.num_tokens, 16, dtype, seed=5)
+    check_tree_attention(q, k, v, end)
 
 
 # ------------------------------------------------------------- bad input
