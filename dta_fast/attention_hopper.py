@@ -424,7 +424,8 @@ if HAVE_GLUON:
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=direct)  # fmt: skip
         gl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + offs_no[:, None] * stride_dvt + offs_d[None, :],
                  dv.to(DV.dtype.element_ty), mask=direct)  # fmt: skip
-        tile = WS + slot.to(gl.int64) * (4 * KEYS * HEAD_DIM) + (offs_no - n0)[:, None] * HEAD_DIM + offs_d[None, :]  # [dK, dV]
+        # the slot's [dK, dV] tiles of the key block's 128 keys
+        tile = WS + slot.to(gl.int64) * (4 * KEYS * HEAD_DIM) + (offs_no - n0)[:, None] * HEAD_DIM + offs_d[None, :]
         gl.store(tile, dk * sm_scale, mask=partial)
         gl.store(tile + 2 * KEYS * HEAD_DIM, dv, mask=partial)
 
