@@ -289,16 +289,16 @@ def test_dkdv_shares_match_one_program_per_group(Tq, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dkdv_shares_on_a_prompt_and_short_branches(dtype, monkeypatch):
     """Units of 64 keys and 4 SMs, on any device: the prompt's units split over programs, the branches'
-    not, in one call; dK and dV match the reference, and each (batch, K/V head) pair of a split unit
-    gets slots of its own."""
+    not, in one call; dK and dV match the reference, and each K/V head of a split unit gets slots of
+    its own."""
     from dta_fast import attention
 
     monkeypatch.setattr(attention, "DKDV_SPLIT_UNIT", 64)  # a multiple of every dK/dV key block at head dim 16
     monkeypatch.setattr(attention, "_sm_count", lambda device: 4)
     tree = PrefixTree.from_sequences([list(range(128)) + [200 + 8 * i + j for j in range(8)] for i in range(16)])
     end = tree.subtree_end.to(DEVICE)
-    assert build_schedule(end).dkdv_shares(2 * 2, 3, 16).shares.tolist() == [2, 2, 1, 1]
-    q, k, v = make_qkv(2, 6, 2, tree.num_tokens, tree.num_tokens, 16, dtype, seed=5)
+    assert build_schedule(end).dkdv_shares(2, 3, 16).shares.tolist() == [3, 3, 1, 1]
+    q, k, v = make_qkv(1, 6, 2, tree.num_tokens, tree.num_tokens, 16, dtype, seed=5)
     check_tree_attention(q, k, v, end)
 
 
