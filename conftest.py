@@ -9,6 +9,8 @@ Hypothesis profiles, chosen with the environment variable DTA_HYPOTHESIS_PROFILE
 Markers (declared in pyproject.toml):
 
 - ``gpu``: skipped when torch sees no CUDA device.
+- ``kernel``: runs a Triton kernel; ``torch.empty`` and ``torch.empty_like`` fill floating tensors with
+  NaN in these tests, so an output element a kernel forgets to write fails the test.
 - ``slow``: skipped unless DTA_SLOW=1.
 
 Torch runs single-threaded on the CPU unless DTA_TEST_THREADS says otherwise.
@@ -72,3 +74,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if skip_slow is not None and "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(request, monkeypatch):
+    """In kernel tests, floating tensors from torch.empty / torch.empty_like hold NaN: kernel outputs are
+    allocated with them, so unwritten elements fail."""
+    if request.node.get_closest_marker("kernel") is None:
+        return
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    def nan_empty_like(*args, **kwargs):
+        x = empty_like(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)

@@ -7,7 +7,7 @@ their batch against; each rank runs :func:`dta_fast.tree_backward` on its own sh
 the parameter gradients are summed over ranks, so every rank ends with the
 gradient of the whole batch's loss, the same as one process training the
 whole batch. A model wrapped with FSDP2 (``fully_shard``) is handled in
-:mod:`dta_fast._fsdp2`.
+:mod:`dta_fast.fsdp2`.
 
 No rank waits on a rank that failed: each rank checks its shard (its tree,
 token ids, the loss built for it) and then trains it inside a guard, and the
@@ -31,8 +31,8 @@ from dta_ref.logprobs import logprob_dtype
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import _as_token_list
 
-from ._fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
-from .engine import checked_options, tree_backward
+from .chunked import checked_options, tree_backward
+from .fsdp2 import check_root_sharded, fsdp2_shard_backward, is_fsdp2
 from .partition import partition
 from .tree import build_tree
 

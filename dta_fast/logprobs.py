@@ -1,6 +1,7 @@
 """Packed tree logprobs with the Triton tree kernel.
 
-Same signature and result as ``dta_ref.tree_logprobs``: one packed forward
+Same result as ``dta_ref.tree_logprobs``, whose signature it extends with ``attention_impl``
+(dta_fast.dispatch): one packed forward
 over the whole forest, no T x T mask anywhere. The vocabulary projection runs
 in row chunks under activation checkpointing, so at most one chunk of logits
 is alive at a time, in the forward and in the backward.
@@ -27,10 +28,9 @@ from dta_ref.logprobs import (
     next_token_targets,
     scaled_log_softmax,
 )
-from dta_ref.logprobs import _packed_hidden as reference_packed_hidden
 from dta_ref.tree import PrefixTree
 
-from .attention import INTERPRET, build_schedule, tree_attention
+from .dispatch import tree_attend, uses_kernel
 
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 
@@ -327,32 +327,32 @@ def gather_logprobs_chunked(
     return LogprobsAndEntropy(*out) if entropy else out[0]
 
 
-def _packed_hidden(model, tree: PrefixTree):
+def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto"):
+    """The last hidden states [T, hidden] of the packed forest from one forward, the model's head and the
+    tree on the model's device."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
     adapter = adapt(model)
-    if adapter.device.type != "cuda" and not INTERPRET:  # the rule of every dta_fast entry point (README)
-        return reference_packed_hidden(model, tree)
+    kernel = uses_kernel(adapter.device, attention_impl)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
-    schedule = build_schedule(tree.subtree_end, validate=False)  # tree.validate() checked it
-
-    def attend(layer_idx, q, k, v, scale):
-        return tree_attention(q, k, v, scale=scale, schedule=schedule)
-
-    return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
+    attend = tree_attend(tree.subtree_end, tree.num_tokens, kernel)  # tree.validate() checked it
+    hidden = adapter.hidden_states(tree.tokens[None], tree.position_ids[None], lambda layer, *qkvs: attend(*qkvs))
+    return hidden[0], adapter.head, tree
 
 
-def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> torch.Tensor:
-    """Logprobs of every rollout [N, Lmax-1] from one packed forward with the Triton tree kernel."""
+def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, attention_impl: str = "auto"):
+    """Logprobs of every rollout [N, Lmax-1] from one packed forward (the tree kernel on CUDA)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree = _packed_hidden(model, tree)
+    hidden, head, tree = packed_hidden(model, tree, attention_impl)
     return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, mask=mask)
 
 
-def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> LogprobsAndEntropy:
+def tree_logprobs_and_entropy(
+    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, attention_impl: str = "auto"
+) -> LogprobsAndEntropy:
     """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree = _packed_hidden(model, tree)
+    hidden, head, tree = packed_hidden(model, tree, attention_impl)
     return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True, mask=mask)

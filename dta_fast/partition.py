@@ -80,10 +80,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dta_ref.attention import as_float
+from dta_ref.checks import as_float, check_int
 from dta_ref.tree import PrefixTree
 
-from .tree import _range_min_table, _sort_with_lcp, _token_arrays
+from .sorted_batch import SortedBatch, TreeStats, token_arrays, tri
 
 __all__ = ["CostModel", "Partition", "TreeStats", "partition", "tree_stats"]
 
@@ -103,33 +103,7 @@ def _pair_weight(num_params, num_layers, num_heads, head_dim) -> float:
     return 12.0 * head_dim * num_heads * num_layers / (6.0 * num_params)
 
 
-def _tri(x):
-    return x * (x + 1) // 2
-
-
 # ------------------------------------------------------------------ statistics
-
-
-@dataclass(frozen=True)
-class TreeStats:
-    """What a prefix tree costs to train: its unique tokens, attention pairs and sequences."""
-
-    unique_tokens: int
-    attention_pairs: int
-    num_sequences: int
-
-    def checked(self) -> "TreeStats":
-        """These counts as ints, or a clear error (for stats made by hand; the partitioner's are by
-        construction)."""
-        values = []
-        for name in ("unique_tokens", "attention_pairs", "num_sequences"):
-            value = getattr(self, name)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"TreeStats.{name} must be an int, got {type(value).__name__}")
-            if value < 0:
-                raise ValueError(f"TreeStats.{name} must be non-negative, got {value}")
-            values.append(int(value))
-        return TreeStats(*values)
 
 
 def tree_stats(x) -> TreeStats:
@@ -139,7 +113,7 @@ def tree_stats(x) -> TreeStats:
     if isinstance(x, PrefixTree):
         span = x.subtree_end - torch.arange(x.num_tokens, device=x.subtree_end.device)
         return TreeStats(x.num_tokens, int(span.sum()), x.num_sequences)
-    batch = _Batch(_token_arrays(x))
+    batch = SortedBatch(token_arrays(x))
     return batch.stats(np.arange(batch.n))
 
 
@@ -268,11 +242,11 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     try:
         from scipy.optimize import nnls
     except ImportError:
-        return _nnls_numpy(A, y)
+        return nnls_numpy(A, y)
     return nnls(A, y)[0]
 
 
-def _nnls_numpy(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nnls_numpy(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Exact NNLS for a few columns: the least-squares fit on every support, the best non-negative one.
 
     The optimum is the unconstrained fit on its support, and some optimum
@@ -281,7 +255,7 @@ def _nnls_numpy(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     """
     k = A.shape[1]
     if k > 12:
-        raise ValueError(f"_nnls_numpy tries every support: {k} columns is too many")
+        raise ValueError(f"nnls_numpy tries every support: {k} columns is too many")
     best = np.zeros(k)
     best_res = float(y @ y)
     for mask in sorted(range(1, 1 << k), key=lambda m: (m.bit_count(), m)):
@@ -296,83 +270,6 @@ def _nnls_numpy(A: np.ndarray, y: np.ndarray) -> np.ndarray:
             best[cols] = sol
             best_res = res
     return best
-
-
-# ------------------------------------------------------------------ the sorted batch
-
-
-class _Batch:
-    """The batch in lexicographic order (the preorder of the sequences' last tokens).
-
-    Position p is the p-th sequence in that order and ``order[p]`` its index
-    in the input; ``lcp[p]`` is its common prefix length with position p-1
-    (0 at p = 0, and 0 exactly where a new tree starts). The common prefix of
-    positions p < r is ``min(lcp[p+1 .. r])``.
-    """
-
-    def __init__(self, arrays: list[np.ndarray]):
-        lengths = [int(a.shape[0]) for a in arrays]
-        order, lcp = _sort_with_lcp(arrays, lengths)
-        self.n = len(arrays)
-        self.order = np.asarray(order, dtype=np.int64)  # [N] input index
-        self.length = np.asarray(lengths, dtype=np.int64)[self.order]  # [N]
-        self.lcp = np.asarray(lcp, dtype=np.int64)  # [N]
-        self._table = _range_min_table(self.lcp)  # [k, p] = min(lcp[p : p + 2^k])
-        self._log2 = np.zeros(self.n + 1, dtype=np.int64)
-        for w in range(2, self.n + 1):
-            self._log2[w] = self._log2[w >> 1] + 1
-        # contiguous runs: tokens and pairs each position adds after its predecessor
-        self._cum_tokens = np.cumsum(self.length - self.lcp)
-        self._cum_pairs = np.cumsum(_tri(self.length) - _tri(self.lcp))
-        self.tree_of = np.cumsum(self.lcp == 0) - 1  # [N] which tree (first token) each position is in
-
-    def common(self, p: int, r: int) -> int:
-        """Common prefix length of positions p < r."""
-        k = int(self._log2[r - p])
-        return int(min(self._table[k, p + 1], self._table[k, r - (1 << k) + 1]))
-
-    def range_min(self, lo, hi):
-        """min(lcp[lo .. hi]) (inclusive, lo <= hi), for scalars or arrays."""
-        k = self._log2[np.asarray(hi) - np.asarray(lo) + 1]
-        return np.minimum(self._table[k, lo], self._table[k, np.asarray(hi) - (1 << k) + 1])
-
-    def stats(self, positions: np.ndarray) -> TreeStats:
-        """Stats of the tree of the sequences at ``positions`` (sorted, distinct)."""
-        if positions.size == 0:
-            return TreeStats(0, 0, 0)
-        lens = self.length[positions]
-        shared = self.range_min(positions[:-1] + 1, positions[1:]) if positions.size > 1 else lens[:0]
-        return TreeStats(
-            int(lens.sum() - shared.sum()), int(_tri(lens).sum() - _tri(shared).sum()), int(positions.size)
-        )
-
-    def run_stats(self, i: int, j: int) -> TreeStats:
-        """Stats of the contiguous run of positions i..j."""
-        li = int(self.length[i])
-        return TreeStats(
-            li + int(self._cum_tokens[j] - self._cum_tokens[i]),
-            int(_tri(li)) + int(self._cum_pairs[j] - self._cum_pairs[i]),
-            j - i + 1,
-        )
-
-    def children(self, i: int, j: int) -> list[tuple[int, int]] | None:
-        """Split run i..j (one subtree) below its shared ancestor chain; None for a chain.
-
-        Sequences that end on the chain come first in preorder and join the
-        first child's run, so every run stays contiguous.
-        """
-        st = i
-        while st < j:
-            q = int(self.range_min(st + 1, j))
-            if self.length[st] != q:
-                break
-            st += 1  # sequence st is the chain itself: a prefix of all after it
-        if st == j:
-            return None
-        cuts = (np.flatnonzero(self.lcp[st + 1 : j + 1] == q) + st + 1).tolist()
-        starts = [i] + cuts
-        ends = [c - 1 for c in cuts] + [j]
-        return list(zip(starts, ends))
 
 
 # ------------------------------------------------------------------ the partition
@@ -431,7 +328,7 @@ class Partition:
         )
 
 
-def _pieces(batch: _Batch, model: CostModel, target: float) -> list[tuple[int, int]]:
+def split_pieces(batch: SortedBatch, model: CostModel, target: float) -> list[tuple[int, int]]:
     """Runs of positions, in preorder: whole trees, split at branch points while dearer than ``target``."""
     pieces: list[tuple[int, int]] = []
     tree_starts = np.flatnonzero(batch.lcp == 0).tolist() + [batch.n]
@@ -448,7 +345,9 @@ def _pieces(batch: _Batch, model: CostModel, target: float) -> list[tuple[int, i
     return pieces
 
 
-def _lpt(batch: _Batch, model: CostModel, pieces, piece_costs, world_size) -> tuple[list[np.ndarray], list[float]]:
+def lpt_shards(
+    batch: SortedBatch, model: CostModel, pieces, piece_costs, world_size
+) -> tuple[list[np.ndarray], list[float]]:
     """Most expensive piece first, each onto the rank where the resulting shard costs least.
 
     Without sharing that is the least-loaded rank (classic LPT); a rank that
@@ -500,7 +399,8 @@ def _lpt(batch: _Batch, model: CostModel, pieces, piece_costs, world_size) -> tu
     return shards, loads
 
 
-def _token_greedy(batch: _Batch, world_size) -> list[np.ndarray]:
+def token_greedy_shards(batch: SortedBatch, world_size) -> list[np.ndarray]:
+    """The tree-unaware baseline: longest sequence first, each onto the rank with the fewest flat tokens."""
     loads = np.zeros(world_size, dtype=np.int64)
     owner = np.empty(batch.n, dtype=np.int64)
     for p in np.lexsort((batch.order, -batch.length)).tolist():
@@ -510,12 +410,14 @@ def _token_greedy(batch: _Batch, world_size) -> list[np.ndarray]:
     return [np.flatnonzero(owner == r) for r in range(world_size)]
 
 
-def _dfs_contiguous(batch: _Batch, model: CostModel, world_size) -> list[np.ndarray]:
+def dfs_contiguous_shards(batch: SortedBatch, model: CostModel, world_size) -> list[np.ndarray]:
+    """The preorder cut into at most ``world_size`` contiguous runs of the smallest maximum cost, then idle
+    ranks given a cut of the dearest run (positions per rank)."""
     n = batch.n
     length, lcp = batch.length.astype(np.float64), batch.lcp.astype(np.float64)
-    added = model.token * (length - lcp) + model.pair * (_tri(length) - _tri(lcp)) + model.sequence
+    added = model.token * (length - lcp) + model.pair * (tri(length) - tri(lcp)) + model.sequence
     cum = np.cumsum(added)  # cost of run i..j = base[i] + cum[j]
-    base = model.token * lcp + model.pair * _tri(lcp) - np.concatenate([[0.0], cum[:-1]]) + model.constant
+    base = model.token * lcp + model.pair * tri(lcp) - np.concatenate([[0.0], cum[:-1]]) + model.constant
 
     def run_cost(i, j):
         return base[i] + cum[j]
@@ -561,14 +463,6 @@ def _dfs_contiguous(batch: _Batch, model: CostModel, world_size) -> list[np.ndar
     return shards
 
 
-def _check_world_size(world_size) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return int(world_size)
-
-
 def _check_slacks(slack) -> tuple[float, ...]:
     if slack is None:
         return SLACKS
@@ -597,7 +491,7 @@ def partition(
     the smallest maximum cost; one of ``METHODS`` forces that candidate (to compare
     them, e.g. in measured step time). Returns a :class:`Partition`.
     """
-    world_size = _check_world_size(world_size)
+    world_size = check_int("world_size", world_size, 1)
     if cost_model is None:
         cost_model = CostModel()
     elif not isinstance(cost_model, CostModel):
@@ -605,13 +499,13 @@ def partition(
     slacks = _check_slacks(slack)
     if method != "best" and method not in METHODS:
         raise ValueError(f"method must be 'best' or one of {METHODS}, got {method!r}")
-    arrays = _token_arrays(sequences)
+    arrays = token_arrays(sequences)
     if world_size > len(arrays):
         raise ValueError(
             f"world_size={world_size} is more ranks than sequences ({len(arrays)}): sequences are not split, so "
             "some rank would surely have nothing to do"
         )
-    batch = _Batch(arrays)
+    batch = SortedBatch(arrays)
     model = cost_model
     n = batch.n
     total = model.of_stats(batch.run_stats(0, n - 1))
@@ -629,21 +523,22 @@ def partition(
     lpt_runs = []
     for k, value in enumerate(slacks):
         target = value * total / world_size
-        pieces = _pieces(batch, model, target)
+        pieces = split_pieces(batch, model, target)
         piece_costs = [model.of_stats(batch.run_stats(i, j)) for i, j in pieces]
-        lpt_runs.append((score(_lpt(batch, model, pieces, piece_costs, world_size)[0]), k, target, pieces, piece_costs))
+        shards = lpt_shards(batch, model, pieces, piece_costs, world_size)[0]
+        lpt_runs.append((score(shards), k, target, pieces, piece_costs))
     lpt, _, target, pieces, piece_costs = min(lpt_runs, key=lambda run: (run[0][0], run[0][1], run[1]))
     scored = {
         "lpt": lpt,
-        "dfs_contiguous": score(_dfs_contiguous(batch, model, world_size)),
-        "token_greedy": score(_token_greedy(batch, world_size)),
+        "dfs_contiguous": score(dfs_contiguous_shards(batch, model, world_size)),
+        "token_greedy": score(token_greedy_shards(batch, world_size)),
     }
     if method == "best":
         method = min(METHODS, key=lambda m: (scored[m][0], scored[m][1], METHODS.index(m)))
     _, _, positions, stats, costs = scored[method]
     flat = [int(batch.length[s].sum()) for s in positions]
     mean = sum(costs) / world_size
-    singles = model.token * batch.length + model.pair * _tri(batch.length) + model.sequence + model.constant
+    singles = model.token * batch.length + model.pair * tri(batch.length) + model.sequence + model.constant
     return Partition(
         shards=[np.sort(batch.order[s]).tolist() for s in positions],
         costs=costs,

@@ -21,47 +21,53 @@ the ``attend`` closure keeps the KV cache per layer:
   cache itself is never copied, except to drop finished rows.
 
 On a CUDA device the attention is the Triton kernel, elsewhere dta_ref's
-explicit-mask attention on the same subtree ends. Draft sizes adapt per
-sequence (dta_ref.rollout.DraftBudget). Supported models: dta_ref.Decoder and
+explicit-mask attention on the same subtree ends (dta_fast.dispatch). Draft sizes adapt per
+sequence (dta_ref.rollout.cache.DraftBudget). Supported models: dta_ref.Decoder and
 Hugging Face Llama / Qwen2 / Qwen3. Inference only (no gradients).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from dta_ref.attention import attention, mask_from_subtree_end
 from dta_ref.adapter import adapt
 from dta_ref.logprobs import logprob_dtype
-from dta_ref.rollout import (
-    DraftTree,
+from dta_ref.rollout.cache import DraftTree, Walk
+from dta_ref.rollout.sampling import (
     Rollout,
-    SpeculativeRun,
-    Walk,
     check_sampling_args,
-    check_speculative_args,
     draw,
+    progress_bar,
     sampling_probs,
     step_uniforms,
 )
+from dta_ref.rollout.speculative import SpeculativeRun, check_speculative_args
 
-from .attention import build_schedule, tree_attention
-
+from .dispatch import tree_attend, uses_kernel
 
 ALIGN = 16
 FIRST_NEW_TOKENS = 256  # generated tokens the KV buffers first hold room for; they double past it
-
-
-def _use_kernel(device: torch.device) -> bool:
-    return device.type == "cuda"
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class _KVEngine:
+@dataclass
+class Verified:
+    """One verify forward's draws, per row: the tokens drawn after the last pending token and at each
+    draft node, their log-probabilities, and where the step's window put the row's new tokens."""
+
+    sampled: list[list[int]]
+    logprobs: list[list[float]]
+    window_start: int  # q0: the step's new tokens sit at [q0, W) of every row
+    pending: list[int]  # pending tokens per row, before the draft's
+
+
+class KVEngine:
     """Per-layer KV buffers of the unfinished sequences and one batched verify forward per step."""
 
     def __init__(self, model, prompts: list[list[int]], capacity: int, most: int):
@@ -82,7 +88,7 @@ class _KVEngine:
             self.values[layer] = k.new_zeros(B, H, self.capacity, D)
         return self.keys[layer], self.values[layer]
 
-    def _grow(self, window: int) -> None:
+    def grow(self, window: int) -> None:
         if window > self.most:
             raise RuntimeError(f"KV window of {window} tokens past the most a run needs, {self.most}")
         self.capacity = min(max(window, 2 * self.capacity), self.most)
@@ -92,24 +98,21 @@ class _KVEngine:
                 buffers[layer] = old.new_zeros(*old.shape[:2], self.capacity, old.shape[3])
                 buffers[layer][:, :, :cached] = old[:, :, :cached]
 
-    def verify(self, drafts: list[DraftTree], uniforms, params):
-        """One forward over each row's pending tokens + draft tree; the draws at each row's decision points.
-
-        Returns per row the tokens drawn at draw 0 (after the last pending
-        token) and at each draft node, and their log-probabilities.
-        """
+    def verify(self, drafts: list[DraftTree], uniforms, params) -> Verified:
+        """One forward over each row's pending tokens + draft tree; the draws at each row's decision points
+        (draw 0 after the last pending token, then one at each draft node)."""
         B = len(drafts)
         P = [len(p) for p in self.pending]
         q_len = [p + len(d) for p, d in zip(P, drafts)]
         # Triton specialises integer arguments on ==1 and on divisibility by 16: rounding the query
         # count (past 1) and the key count up to multiples of 16 keeps the compiled variants to two
-        kernel = _use_kernel(self.device)
+        kernel = uses_kernel(self.device)  # the kernel on CUDA, the reference elsewhere
         align = ALIGN if kernel else 1
         Tq = max(q_len)
         Tq = Tq if Tq == 1 else _round_up(Tq, align)
         W = _round_up(max(self.lengths) + Tq, align)
         if W > self.capacity:
-            self._grow(W)
+            self.grow(W)
         ids = np.zeros((B, Tq), dtype=np.int64)
         pos = np.zeros((B, Tq), dtype=np.int64)
         ends = np.arange(1, W + 1, dtype=np.int64)[None].repeat(B, 0)  # [B, W]: unused keys seen by nobody
@@ -128,18 +131,13 @@ class _KVEngine:
         pos_t = torch.from_numpy(pos).to(self.device, non_blocking=True)
         ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if kernel:
-            schedule, mask = build_schedule(ends_t.to(torch.int32), Tq, validate=False), None
-        else:
-            schedule, mask = None, mask_from_subtree_end(ends_t, torch.arange(q0, W, device=self.device))[:, None]
+        attend_tree = tree_attend(ends_t, Tq, kernel)
 
         def attend(layer, q, k, v, scale):
             K, V = self._buffer(layer, k)
             K[:, :, q0:W] = k  # idempotent: a repeated call writes the same values
             V[:, :, q0:W] = v
-            if schedule is not None:
-                return tree_attention(q, K[:, :, :W], V[:, :, :W], scale=scale, schedule=schedule)
-            return attention(q, K[:, :, :W], V[:, :, :W], mask, scale)
+            return attend_tree(q, K[:, :, :W], V[:, :, :W], scale)
 
         hidden = self.adapter.hidden_states(ids_t, pos_t, attend)  # [B, Tq, hidden]
         logits = self.head(hidden.flatten(0, 1)[rows_t])  # [draws, V]
@@ -151,12 +149,11 @@ class _KVEngine:
             sampled.append(tokens[k : k + len(d) + 1])
             logprobs.append(logp[k : k + len(d) + 1])
             k += len(d) + 1
-        self._window = (q0, P)
-        return sampled, logprobs
+        return Verified(sampled, logprobs, q0, P)
 
-    def commit(self, walks: list[Walk], keep: list[bool]) -> None:
-        """Keep the pending and accepted draft tokens' K/V, drop finished rows."""
-        q0, P = self._window
+    def commit(self, verified: Verified, walks: list[Walk], keep: list[bool]) -> None:
+        """Keep the pending and accepted draft tokens' K/V of ``verified``'s step, drop finished rows."""
+        q0, P = verified.window_start, verified.pending
         b_idx, src, dst = [], [], []
         for b, (w, k) in enumerate(zip(walks, keep)):
             if not k:
@@ -183,50 +180,54 @@ class _KVEngine:
             self.pending = [self.pending[b] for b in rows]
 
 
-def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens) -> Rollout:
+def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens, progress) -> Rollout:
     adapter = adapt(model)
     run = SpeculativeRun(prompts, max_new_tokens, cache, params, max_draft_tokens, adapter.vocab_size)
     longest = max(map(len, prompts))
     # a step's window: the cached tokens, then the pending ones (a whole prompt first) and a draft, which
     # never runs past the tokens left to generate
     most = _round_up(longest + max_new_tokens + max(longest, min(max_draft_tokens, max_new_tokens) + 1), ALIGN)
-    engine = _KVEngine(model, prompts, _round_up(longest + FIRST_NEW_TOKENS, ALIGN), most + 2 * ALIGN)
+    engine = KVEngine(model, prompts, _round_up(longest + FIRST_NEW_TOKENS, ALIGN), most + 2 * ALIGN)
     active = run.active()
-    while active:
-        drafts = run.drafts(active)
-        uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, adapter.device)
-        sampled, logprobs = engine.verify(drafts, uniforms, params)
-        walks = run.finish_step(active, drafts, sampled, logprobs)
-        engine.commit(walks, [not run.seqs[i].done for i in active])
-        active = run.active()
+    with progress_bar(progress, len(prompts) * max_new_tokens) as bar:
+        while active:
+            drafts = run.drafts(active)
+            uniforms = step_uniforms(sum(len(d) + 1 for d in drafts), params, generator, adapter.device)
+            verified = engine.verify(drafts, uniforms, params)
+            walks = run.finish_step(active, drafts, verified.sampled, verified.logprobs)
+            engine.commit(verified, walks, [not run.seqs[i].done for i in active])
+            bar.update(sum(len(w.tokens) for w in walks))
+            active = run.active()
     return run.result(logprob_dtype(engine.adapter.dtype))
 
 
 @torch.no_grad()
 def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0, top_k=None, top_p=None,
-                       eos_token_id=None, generator=None, max_draft_tokens=32) -> Rollout:  # fmt: skip
+                       eos_token_id=None, generator=None, max_draft_tokens=32, progress=None) -> Rollout:  # fmt: skip
     """Exact speculative sampling with draft trees from ``cache``, KV-cached and batched.
 
     Twin of dta_ref.speculative_sample: the same arguments, the same draws.
-    Finished completions join ``cache`` as soon as they finish.
+    Finished completions join ``cache`` as soon as they finish. ``progress``:
+    a bar over generated tokens on stderr (None: only on a terminal).
     """
     prompts, params = check_sampling_args(
         model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
     )
     check_speculative_args(cache, max_draft_tokens)
-    return _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens)
+    return _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens, progress)
 
 
 @torch.no_grad()
 def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
-           generator=None) -> Rollout:  # fmt: skip
+           generator=None, progress=None) -> Rollout:  # fmt: skip
     """Plain sampling on the same engine (no drafts): the baseline speculative sampling is measured against.
 
     Twin of dta_ref.sample: with one generator both return the same tokens.
+    ``progress``: a bar over generated tokens on stderr (None: only on a terminal).
     """
     prompts, params = check_sampling_args(
         model, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator
     )
-    out = _generate(model, prompts, max_new_tokens, None, params, generator, 0)
+    out = _generate(model, prompts, max_new_tokens, None, params, generator, 0, progress)
     out.stats = {k: out.stats[k] for k in ("generated_tokens", "verify_steps")}  # dta_ref.sample's counters
     return out

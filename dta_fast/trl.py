@@ -38,8 +38,9 @@ from trl.kernels import ChunkedLogProbFunction
 from dta_ref.hf import ATTENTION_DROPOUT_REFUSED, attention_dropout_in
 from dta_ref.padded import PaddedLayout
 
-from ._trainers import LinearizedLoss, block_logprobs_and_entropy, dropout_in
-from .engine import _checked_chunking, tree_backward
+from .chunked import tree_backward
+from .chunked.options import checked_chunking
+from .trainer_common import LinearizedLoss, block_logprobs_and_entropy, dropout_in
 from .tree import build_tree
 
 
@@ -69,7 +70,7 @@ class TreeGRPOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         # checked here rather than at the first training step, after a round of generation
-        chunk, budget, _ = _checked_chunking(self.tree_max_chunk_tokens, self.tree_memory_budget_bytes, None, "tree_")
+        chunk, budget, _ = checked_chunking(self.tree_max_chunk_tokens, self.tree_memory_budget_bytes, None, "tree_")
         if self.tree_checkpoint_layers is not None:
             if not isinstance(self.tree_checkpoint_layers, bool):
                 got = self.tree_checkpoint_layers

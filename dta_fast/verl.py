@@ -19,7 +19,7 @@ import torch
 
 from dta_ref.padded import PaddedLayout
 
-from ._trainers import block_logprobs_and_entropy
+from .trainer_common import block_logprobs_and_entropy
 
 
 @dataclass

@@ -5,7 +5,13 @@ Triton. It is the ground truth that every dta_fast op is tested against.
 """
 
 from .adapter import ModelAdapter, adapt
-from .attention import attention, mask_from_subtree_end, tree_attention_mask
+from .attention import (
+    attention,
+    mask_from_subtree_end,
+    tree_attention,
+    tree_attention_mask,
+    tree_mask,
+)
 from .batches import agentic_batch, grpo_batch
 from .logprobs import (
     LogprobsAndEntropy,
@@ -29,11 +35,16 @@ from .padded import PaddedLayout
 from .rollout import Rollout, RolloutCache, sample, speculative_sample
 from .tree import PrefixTree
 
+__version__ = "0.1.0"
+
 __all__ = [
+    "__version__",
     "PrefixTree",
     "PaddedLayout",
     "adapt",
     "ModelAdapter",
+    "tree_mask",
+    "tree_attention",
     "tree_attention_mask",
     "mask_from_subtree_end",
     "attention",

@@ -1,26 +1,36 @@
 """Tree attention with an explicit T x T mask: the readable ground truth.
 
-The fast path (dta_fast.tree_attention) computes the same function from
-``subtree_end`` alone, without ever building this mask.
+``tree_mask`` is the attention rule; ``tree_attention`` is the twin of ``dta_fast.tree_attention``
+(same signature), which computes the same function from ``subtree_end`` alone, without ever building
+the mask; ``attention`` is softmax attention under any explicit mask.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from einops import repeat
 
-from .tree import PrefixTree
+from .checks import check_scale
+from .tree import PrefixTree, nesting_depth
+
+
+def tree_mask(q_idx: torch.Tensor, kv_idx: torch.Tensor, subtree_end: torch.Tensor) -> torch.Tensor:
+    """True where the query at key position ``q_idx`` may attend key ``kv_idx``: ``kv_idx <= q_idx <
+    subtree_end[kv_idx]``. Key j is visible exactly to its own subtree, which in preorder is the
+    contiguous range ``[j, subtree_end[j])`` (docs/prefix_tree.md).
+
+    The one mask predicate of the project. It broadcasts (``q_idx[:, None]``, ``kv_idx[None, :]``:
+    [Tq, Tk]; a batched ``subtree_end`` [B, Tk] gives [B, Tq, Tk]) and is a FlexAttention ``mask_mod``
+    as it stands: ``lambda b, h, q, kv: tree_mask(q, kv, subtree_end)``.
+    """
+    end = subtree_end[kv_idx] if subtree_end.dim() == 1 else subtree_end[:, kv_idx]
+    return (kv_idx <= q_idx) & (q_idx < end)
 
 
 def tree_attention_mask(tree: PrefixTree) -> torch.Tensor:
-    """bool [T, T]: ``mask[i, j]`` is True iff query i may attend key j.
-
-    Key j is visible exactly to the queries of its own subtree, which in
-    preorder is the contiguous range ``[j, subtree_end[j])``.
-    """
+    """bool [T, T]: ``mask[i, j]`` is True iff query i may attend key j (:func:`tree_mask`)."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     i = torch.arange(tree.num_tokens, device=tree.subtree_end.device)
@@ -36,8 +46,7 @@ def mask_from_subtree_end(subtree_end: torch.Tensor, query_positions: torch.Tens
         if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     j = torch.arange(subtree_end.shape[-1], device=subtree_end.device)
-    i = query_positions[:, None]
-    return (j <= i) & (i < subtree_end[..., None, :])
+    return tree_mask(query_positions[:, None], j[None, :], subtree_end)
 
 
 def refuse_create_graph(what: str) -> None:
@@ -117,24 +126,51 @@ def attention(q, k, v, mask, scale=None):
     return out.to(q.dtype)
 
 
-def as_float(value: numbers.Real) -> float:
-    """A real number as a float, an int past float's range as an infinity (``float`` raises there), so
-    that a check of finiteness refuses it with its own message."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
+def tree_attention(q, k, v, subtree_end, scale=None, *, return_lse=False):
+    """Tree attention with the explicit mask of :func:`tree_mask`: the readable twin of
+    ``dta_fast.tree_attention``, with its signature.
+
+    q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D]; subtree_end [Tk] or [B, Tk] int. The queries are the last Tq
+    key positions (Tq < Tk: the first Tk - Tq keys are a cached prefix). Returns the output [B, Hq, Tq, D]
+    and, with ``return_lse=True``, the natural-log LSE of the scaled visible scores [B, Hq, Tq] in float32
+    (no gradient).
+    """
+    if not isinstance(subtree_end, torch.Tensor):
+        raise TypeError(f"subtree_end must be an integer tensor [Tk] or [B, Tk], got {type(subtree_end).__name__}")
+    if subtree_end.dim() not in (1, 2):
+        raise ValueError(f"subtree_end must be [Tk] or [B, Tk], got shape {tuple(subtree_end.shape)}")
+    for name, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, H, T, D]")
+    Tq, Tk = q.shape[2], k.shape[2]
+    if subtree_end.shape[-1] != Tk:
+        raise ValueError(f"subtree_end has shape {tuple(subtree_end.shape)}, but k has {Tk} keys")
+    if not 1 <= Tq <= Tk:
+        raise ValueError(f"{Tq} queries for {Tk} keys: the queries are the last Tq key positions")
+    nesting_depth(subtree_end if subtree_end.dim() == 2 else subtree_end[None])  # a preorder forest
+    end = subtree_end.to(q.device)
+    mask = mask_from_subtree_end(end, torch.arange(Tk - Tq, Tk, device=q.device))
+    mask = mask[:, None] if mask.dim() == 3 else mask  # [B, 1, Tq, Tk] for one tree per batch row
+    out = attention(q, k, v, mask, scale)
+    if not return_lse:
+        return out
+    q, k, _ = autocast_inputs(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_scale(scale)
+    k = repeat(k, "b h t d -> b (h g) t d", g=q.shape[1] // k.shape[1])
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
+        lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return out, lse.float()
 
 
-def check_scale(scale, limit: float = math.inf) -> float:
-    """``scale`` as a float, or a clear error: a real number, finite, at most ``limit`` in size."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    value = as_float(scale)
-    if not (math.isfinite(value) and abs(value) <= limit):
-        bound = "" if limit == math.inf else f" and at most {limit:g} in size"
-        raise ValueError(f"scale must be finite{bound}, got {scale}")
-    return value
+def masked_attend(mask: torch.Tensor):
+    """The ``attend(layer, q, k, v, scale)`` of ``adapter.hidden_states``: explicit-mask attention under ``mask``."""
+
+    def attend(layer, q, k, v, scale):
+        return attention(q, k, v, mask, scale)
+
+    return attend
 
 
 def _masked_matmul(a, b, mask):

@@ -9,8 +9,6 @@ position; autograd then sums the gradients of shared positions exactly.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .adapter import adapt
-from .attention import as_float, attention, tree_attention_mask
+from .attention import masked_attend, tree_attention_mask
+from .checks import check_temperature
 from .tree import PrefixTree, _as_token_list
 
 
@@ -51,19 +50,6 @@ class LogprobsAndEntropy:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
-
-
-# Below this the logits / temperature of a float32 head overflow to inf for logits of ~1e18 and up,
-# and softmax gives NaN: refused rather than computed.
-MIN_TEMPERATURE = 1e-20
-
-
-def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (temperature >= MIN_TEMPERATURE and math.isfinite(as_float(temperature))):
-        raise ValueError(f"temperature must be positive and finite (at least {MIN_TEMPERATURE:g}), got {temperature}")
-    return float(temperature)
 
 
 def check_logprob_mask(mask, tree: PrefixTree):
@@ -126,11 +112,7 @@ def _packed_hidden(model, tree: PrefixTree):
     adapter = adapt(model)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
-    mask = tree_attention_mask(tree)
-
-    def attend(layer_idx, q, k, v, scale):
-        return attention(q, k, v, mask, scale)
-
+    attend = masked_attend(tree_attention_mask(tree))
     return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
 
 

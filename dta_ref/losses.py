@@ -15,12 +15,11 @@ tokens are refused.
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 
 import torch
 
-from .attention import as_float
+from .checks import check_real
 
 NORMALIZATIONS = ("token_mean", "sequence_mean", "sum")
 
@@ -52,18 +51,8 @@ def _check_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask != 0
 
 
-def _check_real(name: str, value) -> float:
-    """A finite real number, as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = as_float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def _check_clip(name: str, value) -> float:
-    value = _check_real(name, value)
+    value = check_real(name, value)
     if value < 0:
         raise ValueError(f"clip ranges must be non-negative, got {name}={value}")
     return value
@@ -128,7 +117,7 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     """
     clip_low = _check_clip("clip_low", clip_low)
     clip_high = clip_low if clip_high is None else _check_clip("clip_high", clip_high)
-    if dual_clip is not None and _check_real("dual_clip", dual_clip) <= 1.0:
+    if dual_clip is not None and check_real("dual_clip", dual_clip) <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     _check_padded("logprobs", logprobs)
     _check_padded("old_logprobs", old_logprobs, logprobs.shape)  # broadcast, they would pair other tokens

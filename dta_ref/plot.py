@@ -10,7 +10,8 @@ Right panel: the T x T mask of :func:`dta_ref.tree_attention_mask`. Column j
 is lit exactly on rows ``[j, subtree_end[j])``; the packed index j is written
 above the image and ``subtree_end[j]`` below it.
 
-    python -m dta_ref.plot [path]      # draws the example to docs/images/prefix_tree.png
+    python -m dta_ref.plot [path]      # draws the example to path, by default ./prefix_tree.png
+    python -m dta_ref.plot docs/images/prefix_tree.png   # the picture of docs/prefix_tree.md
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ def main(argv=None):
         prog="python -m dta_ref.plot",
         description="Draw the example forest (a GRPO group, an agent's turns, a lone sample) and its mask.",
     )
-    parser.add_argument("path", nargs="?", default="docs/images/prefix_tree.png", help="PNG to write (%(default)s)")
+    # in the working directory: the tracked docs/images picture is redrawn only when named
+    parser.add_argument("path", nargs="?", default="prefix_tree.png", help="PNG to write (%(default)s)")
     path = parser.parse_args(sys.argv[1:] if argv is None else argv).path
     sequences, words = example_sequences()
     out = draw_tree(sequences, path, title="Rollouts packed as a preorder forest, and its tree attention mask",

@@ -14,7 +14,7 @@ import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree
 from property_tests.strategies import rollout_sets, seeds
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
-from dta_fast.engine import MemoryModel, plan_chunks
+from dta_fast.chunked import MemoryModel, plan_chunks
 from tests.test_engine import check_plan
 
 _decoders: dict[int, torch.nn.Module] = {}

@@ -112,7 +112,7 @@ def test_fast_tree_logprobs_match_flat(sequences, seed):
     exact = copy.deepcopy(model).double()
     flat64 = dta_ref.flat_logprobs(exact, sequences)
     flat32 = dta_ref.flat_logprobs(model, sequences)
-    fast = dta_fast.tree_logprobs(model, tree)
+    fast = dta_fast.tree_logprobs(model, tree, attention_impl="kernel")
     err_flat = (flat32.double() - flat64).abs().amax().item() if flat64.numel() else 0.0
     assert_close_report(fast, flat64, atol=4 * err_flat + 1e-5, rtol=0, name="logprobs")
     g_fast = param_grads(model, fast.sum())
@@ -129,7 +129,7 @@ def test_fast_tree_logprobs_hf(family):
     model = tiny_hf_model(family, torch.float32, "sdpa").to(DEVICE)
     exact = copy.deepcopy(model).double()
     flat64 = dta_ref.flat_logprobs(exact, sequences)
-    fast = dta_fast.tree_logprobs(model, tree)
+    fast = dta_fast.tree_logprobs(model, tree, attention_impl="kernel")
     assert_close_report(fast, flat64, atol=2e-5, rtol=0, name="logprobs")
     g_fast = param_grads(model, fast.sum())
     g_flat = param_grads(exact, flat64.sum())

@@ -54,8 +54,10 @@ def _run(model, tree, r, entry, weights):
         impl = "kernel" if entry.endswith("kernel") else "reference"
         logprobs, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=5, attention_impl=impl)
     else:
-        fn = dta_ref.tree_logprobs if entry == "reference" else dta_fast.tree_logprobs
-        logprobs = fn(model, tree)
+        if entry == "reference":
+            logprobs = dta_ref.tree_logprobs(model, tree)
+        else:
+            logprobs = dta_fast.tree_logprobs(model, tree, attention_impl="kernel")
         keep, weights = keep.to(logprobs.device), weights.to(logprobs.device, logprobs.dtype)
         (torch.where(keep, logprobs, 0) * weights).sum().backward()
     return logprobs.detach().cpu(), model.embed.weight.grad.cpu()

@@ -14,7 +14,8 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 import dta_ref
-from dta_fast.partition import CostModel, Partition, _Batch, _lpt, _pieces, _token_arrays, partition
+from dta_fast.partition import CostModel, Partition, lpt_shards, partition, split_pieces
+from dta_fast.sorted_batch import SortedBatch, token_arrays
 from dta_ref import PrefixTree
 from property_tests.strategies import random_trie_rollouts, rollout_sets
 
@@ -233,11 +234,11 @@ def test_agentic_batches(world_size, num_tasks, rollouts, turns, seed, model):
 @given(cases(), st.sampled_from([0.25, 0.5, 1.0]))
 def test_lpt_tracks_the_true_shard_costs(case, slack):
     sequences, world_size, model = case
-    batch = _Batch(_token_arrays(sequences))
+    batch = SortedBatch(token_arrays(sequences))
     total = reference_cost(model, sequences)
-    pieces = _pieces(batch, model, slack * total / world_size)
+    pieces = split_pieces(batch, model, slack * total / world_size)
     piece_costs = [reference_cost(model, [sequences[i] for i in batch.order[a : b + 1]]) for a, b in pieces]
-    shards, loads = _lpt(batch, model, pieces, piece_costs, world_size)
+    shards, loads = lpt_shards(batch, model, pieces, piece_costs, world_size)
     for positions, load in zip(shards, loads):
         exact = reference_cost(model, [sequences[i] for i in batch.order[positions]])
         assert abs(load - exact) <= REL * max(exact, 1.0), (load, exact)

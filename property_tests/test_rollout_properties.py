@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import dta_fast
 import dta_ref
-from dta_ref.rollout import SamplingParams, _context_logits, sampling_probs
+from dta_ref.rollout import SamplingParams, context_logits, sampling_probs
 from tests.helpers import assert_close_report, tiny_decoder
 
 VOCAB = 8  # small, so cached continuations often match what the model samples
@@ -63,7 +63,7 @@ def test_speculative_twins_on_random_caches(prompts, cached, temperature, top_k,
         assert eos is None or eos not in c[:-1]
         assert_close_report(lp_fast, lp_ref, 1e-9, 1e-9, "logprobs")
         if c:
-            probs = sampling_probs(_context_logits(m, [p + c[:t] for t in range(len(c))]), params)
+            probs = sampling_probs(context_logits(m, [p + c[:t] for t in range(len(c))]), params)
             expected = probs[torch.arange(len(c)), torch.tensor(c)].log()
             assert_close_report(lp_fast, expected, 1e-9, 1e-9, "teacher-forced logprobs")
     assert fast.stats["generated_tokens"] == sum(map(len, fast.completions))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 
-from dta_ref import attention, mask_from_subtree_end
+import dta_ref
+from dta_ref import mask_from_subtree_end
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -66,22 +66,30 @@ def report(name, actual, expected) -> str:
 
 
 def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0):
-    """Compare output, dq, dk, dv of dta_fast.tree_attention with the reference (one shared upstream grad)."""
+    """Compare output, dq, dk, dv and the LSE of dta_fast.tree_attention with its twin dta_ref.tree_attention
+    (one shared upstream grad)."""
     from dta_fast import tree_attention
 
     Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    positions = torch.arange(Tk - Tq, Tk, device=q.device)
-    mask = mask_from_subtree_end(subtree_end.to(q.device), positions)
+    end = subtree_end.to(q.device)
+    mask = mask_from_subtree_end(end, torch.arange(Tk - Tq, Tk, device=q.device))
     if mask.dim() == 3:  # one tree per batch row: [B, 1, Tq, Tk]
         mask = mask[:, None]
     g = torch.Generator(device=q.device).manual_seed(seed)
     do = torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype)
 
-    fast = _grads(lambda a, b, c: tree_attention(a, b, c, subtree_end, scale), (q, k, v), do)
-    exact = _grads(lambda a, b, c: attention(a, b, c, mask, scale), (q.double(), k.double(), v.double()), do.double())
+    def twin(attend):
+        return lambda a, b, c: attend(a, b, c, end, scale)
+
+    fast = _grads(twin(tree_attention), (q, k, v), do)
+    exact = _grads(twin(dta_ref.tree_attention), (q.double(), k.double(), v.double()), do.double())
+    lse_fast = tree_attention(q, k, v, end, scale, return_lse=True)[1]
+    lse_exact = dta_ref.tree_attention(q.double(), k.double(), v.double(), end, scale, return_lse=True)[1]
+    assert lse_fast.dtype == lse_exact.dtype == torch.float32
+    torch.testing.assert_close(lse_fast, lse_exact, rtol=1e-5, atol=FLOOR[q.dtype], msg=lambda m: "LSE: " + m)
     if q.dtype == torch.float32:
-        same = _grads(lambda a, b, c: attention(a, b, c, mask, scale), (q, k, v), do)
+        same = _grads(twin(dta_ref.tree_attention), (q, k, v), do)
     else:
         same = _grads(lambda a, b, c: attention_in_dtype(a, b, c, mask, scale), (q, k, v), do)
     failures = []
@@ -95,21 +103,3 @@ def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0):
             failures.append(f"{report(name, f, e)} > bound {bound:.3e} (same-precision torch error {err_same:.3e})")
     assert not failures, "\n".join(failures)
     return fast
-
-
-@pytest.fixture(autouse=True)
-def poison_empty(monkeypatch):
-    """Kernel outputs are allocated with torch.empty*: fill them with NaN so unwritten elements fail
-    (autouse in the modules that import it)."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_empty(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
-
-    def nan_empty_like(*args, **kwargs):
-        x = empty_like(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)

@@ -156,7 +156,7 @@ def test_model_isolation(entry):
     elif entry == "fast_tree_logprobs":
         import dta_fast
 
-        run = lambda m: dta_fast.tree_logprobs(m, TREE)  # noqa: E731
+        run = lambda m: dta_fast.tree_logprobs(m, TREE, attention_impl="kernel")  # noqa: E731
     else:
         run = lambda m: _tree_backward(m, entry.rsplit("_", 1)[1])  # noqa: E731
     expected, got = run(clean).detach().cpu(), run(model).detach().cpu()
@@ -385,7 +385,7 @@ def _entry(name):
         pytest.importorskip("triton")
         import dta_fast
 
-        return lambda tree: dta_fast.tree_logprobs(tiny_decoder(torch.float32).to(DEVICE), tree)
+        return lambda tree: dta_fast.tree_logprobs(tiny_decoder(torch.float32).to(DEVICE), tree, attention_impl="kernel")
     import dta_fast
 
     return lambda tree: dta_fast.tree_backward(tiny_decoder(torch.float64), tree, SFTLoss(TREE.logprob_mask))

@@ -1,4 +1,4 @@
-"""The Hopper kernels (dta_fast/attention_hopper.py).
+"""The Hopper kernels (dta_fast/attention/hopper.py).
 
 On any host: all three compile for sm_90 with the installed Triton (CI checks the oldest supported one
 and the newest) and fit an H100's shared memory. On a Hopper GPU: they run where ``applies`` says, and
@@ -21,9 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dta_fast import attention_hopper, build_schedule, tree_attention
+from dta_fast import build_schedule, tree_attention
+from dta_fast.attention import hopper as attention_hopper
 from dta_ref import PrefixTree, agentic_batch, grpo_batch
-from tests.attention_checks import poison_empty, random_depths, subtree_end_from_depths  # noqa: F401 (autouse)
+from tests.attention_checks import random_depths, subtree_end_from_depths
 
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on sm_90
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -168,6 +169,7 @@ CASES = ["grpo", "gqa head dim 64, float16", "agentic", "cached prefix, odd quer
 
 
 @pytest.mark.gpu
+@pytest.mark.kernel
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name", CASES)
 def test_bitwise_the_triton_forward(name, monkeypatch):
@@ -188,6 +190,7 @@ def test_bitwise_the_triton_forward(name, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.kernel
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("name", CASES)
 def test_gradients_bitwise_the_triton_kernels(name, monkeypatch):
@@ -246,6 +249,7 @@ def _random_calls(draw):
 
 
 @pytest.mark.gpu
+@pytest.mark.kernel
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU")
 @settings(max_examples=max(4, settings.default.max_examples // 5),
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # poison_empty holds for every example

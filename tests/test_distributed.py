@@ -693,7 +693,7 @@ def _check_errors_agreed(rank, world):
             assert torch.equal(p.grad, g)
     # a bad option passed by the rank whose shard is empty is refused there too, not skipped
     everything = [list(range(len(sequences))), []]
-    for bad, exc, match in ((dict(max_chunk_tokens=0), ValueError, "max_chunk_tokens must be at least 1"),
+    for bad, exc, match in ((dict(max_chunk_tokens=0), ValueError, "max_chunk_tokens must be >= 1"),
                             (dict(max_chunk_token=8), TypeError, "unexpected keyword argument 'max_chunk_token'")):  # fmt: skip
         with pytest.raises(exc, match=f"rank 1: {exc.__name__}: .*{match}"):
             dta_fast.distributed_tree_backward(model, sequences, good, plan=everything, **(bad if rank == 1 else {}))

@@ -11,8 +11,8 @@ import torch
 import dta_fast
 import dta_ref
 from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
-from dta_fast import engine
-from dta_fast.engine import MemoryModel, plan_chunks
+from dta_fast.chunked import Forest, MemoryModel, checked_options, engine, plan_chunks, plan_for_budget
+from dta_fast.chunked.budget import choose_plan, largest_fitting_plan, step_cost
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -215,23 +215,23 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
     seqs = grpo_batch(1, 48, 6, 40, vocab_size=vocab, seed=3)
     tree = PrefixTree.from_sequences(seqs)
     model = tiny_decoder(torch.float64, vocab_size=vocab)
-    memory, forest = MemoryModel.of(model), engine._Forest.of(tree)
+    memory, forest = MemoryModel.of(model), Forest.of(tree)
     assert memory.logits_rows == 64
 
     def cost(plan):
-        return engine._step_cost(memory, plan)
+        return step_cost(memory, plan)
 
     def default_window_plans(budget):
         for mode in (False, True):
             try:
-                yield engine._largest_fitting_plan(memory, forest, budget, mode, 1 / 32, memory.logits_rows)
+                yield largest_fitting_plan(memory, forest, budget, recompute=mode, tolerance=1 / 32, logits_rows=memory.logits_rows)
             except ValueError:
                 pass
 
     traded = []
     for size in range(8, tree.num_tokens, 8):
         budget = memory.step_bytes(plan_chunks(tree, size, True))
-        plan = engine._plan_for_budget(memory, forest, budget, None, strict=True)
+        plan = plan_for_budget(memory, forest, budget)
         default = min(default_window_plans(budget), key=cost)
         assert memory.step_bytes(plan) <= budget and cost(plan) <= cost(default)
         if plan.logits_rows < memory.logits_rows:
@@ -239,7 +239,7 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
             traded.append((budget, plan.logits_rows))
     assert traded
     whole = memory.step_bytes(plan_chunks(tree, tree.num_tokens, False))
-    assert engine._plan_for_budget(memory, forest, whole, None, strict=True).logits_rows == memory.logits_rows
+    assert plan_for_budget(memory, forest, whole).logits_rows == memory.logits_rows
 
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     model.zero_grad(set_to_none=True)
@@ -260,7 +260,7 @@ def _count_layer_forwards(model):
     """A list that grows by one at every forward of a decoder layer's attention module, inside the
     layer's ``forward`` (a checkpointed layer runs it twice: once more in its backward)."""
     calls = []
-    for layer in engine.adapt(model).layers:
+    for layer in dta_ref.adapt(model).layers:
         attention = layer.self_attn if hasattr(layer, "self_attn") else layer.attn
         attention.register_forward_hook(lambda *args: calls.append(1))
     return calls
@@ -277,7 +277,7 @@ def test_engine_checkpoints_layers(kind, chunk, recompute):
     model = tiny_decoder(torch.float64) if kind == "decoder" else tiny_hf_model(kind, torch.float64, "sdpa")
     rel = 1e-11 if kind == "decoder" else 1e-6  # Hugging Face models take RMSNorm through float32
     ref_lp, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask, "sum"))
-    layers = engine.adapt(model).layers
+    layers = dta_ref.adapt(model).layers
     calls = _count_layer_forwards(model)
     hooked = layers[0].forward = functools.partial(type(layers[0]).forward, layers[0])  # as accelerate's hooks do
     runs = {}
@@ -306,20 +306,20 @@ def test_layers_the_model_checkpoints_are_counted():
     plain = {c: dta_fast.estimated_step_bytes(model, tree, 5, True, c) for c in (False, True)}
     assert plain[True] < plain[False] and dta_fast.estimated_step_bytes(model, tree, 5) == plain[False]
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert engine.adapt(model).checkpointed_layers == 0  # transformers checkpoints in training mode only
+    assert dta_ref.adapt(model).checkpointed_layers == 0  # transformers checkpoints in training mode only
     model.train()
-    assert engine.adapt(model).checkpointed_layers == len(engine.adapt(model).layers)
+    assert dta_ref.adapt(model).checkpointed_layers == len(dta_ref.adapt(model).layers)
     memory = MemoryModel.of(model)
     assert memory.model_checkpoints and memory.activation < MemoryModel.of(tiny_hf_model("qwen2")).activation
     for checkpoint in (None, False, True):
         assert dta_fast.estimated_step_bytes(model, tree, 5, True, checkpoint) == plain[True]
-    plan = engine._choose_plan(model, tree, torch.device("cpu"), None, 10**9, None, None, False)
+    plan = choose_plan(model, tree, torch.device("cpu"), checked_options(memory_budget_bytes=10**9, checkpoint_layers=False))
     assert plan.checkpoint_layers
     calls = _count_layer_forwards(model)
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=5, checkpoint_layers=True)
     # the model's own checkpointing, not nested in ours: each layer once more per chunk's backward
     plan = plan_chunks(tree, 5, True)
-    assert len(calls) == len(engine.adapt(model).layers) * (2 * plan.num_chunks + int((~plan.keeps_graph).sum()))
+    assert len(calls) == len(dta_ref.adapt(model).layers) * (2 * plan.num_chunks + int((~plan.keeps_graph).sum()))
 
 
 def test_budget_checkpoints_layers_where_that_is_cheaper():
@@ -330,23 +330,23 @@ def test_budget_checkpoints_layers_where_that_is_cheaper():
     seqs = grpo_batch(1, 48, 6, 40, vocab_size=64, seed=4)
     tree = PrefixTree.from_sequences(seqs)
     model = tiny_decoder(torch.float64)
-    memory, forest = MemoryModel.of(model), engine._Forest.of(tree)
+    memory, forest = MemoryModel.of(model), Forest.of(tree)
     assert memory.checkpointed < memory.activation
     chosen = []
     for size in range(4, tree.num_tokens, 6):
         budget = memory.step_bytes(plan_chunks(tree, size, True))
-        plan = engine._plan_for_budget(memory, forest, budget, None, True)
-        without = engine._plan_for_budget(memory, forest, budget, None, True, checkpoint_layers=False)
-        with_them = engine._plan_for_budget(memory, forest, budget, None, True, checkpoint_layers=True)
+        plan = plan_for_budget(memory, forest, budget)
+        without = plan_for_budget(memory, forest, budget, checkpoint_layers=False)
+        with_them = plan_for_budget(memory, forest, budget, checkpoint_layers=True)
         assert not without.checkpoint_layers and with_them.checkpoint_layers and memory.step_bytes(plan) <= budget
         # the search without them, bounded below by the plan with them, loses nothing
-        assert engine._step_cost(memory, plan) == min(engine._step_cost(memory, p) for p in (without, with_them))
+        assert step_cost(memory, plan) == min(step_cost(memory, p) for p in (without, with_them))
         if plan.checkpoint_layers:
             assert plan.num_chunks < without.num_chunks
             chosen.append(budget)
     assert chosen
     whole = memory.step_bytes(plan_chunks(tree, tree.num_tokens, False))
-    assert not engine._plan_for_budget(memory, forest, whole, None, True).checkpoint_layers
+    assert not plan_for_budget(memory, forest, whole).checkpoint_layers
 
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     calls = _count_layer_forwards(model)
@@ -355,7 +355,7 @@ def test_budget_checkpoints_layers_where_that_is_cheaper():
         model.zero_grad(set_to_none=True)
         options = dict(memory_budget_bytes=chosen[0], checkpoint_layers=checkpoint)
         dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), **options)
-        plan = engine._choose_plan(model, tree, torch.device("cpu"), None, chosen[0], None, None, checkpoint)
+        plan = choose_plan(model, tree, torch.device("cpu"), checked_options(memory_budget_bytes=chosen[0], checkpoint_layers=checkpoint))
         passes = plan.num_chunks * (2 if checkpoint is None else 1) + int((~plan.keeps_graph).sum())
         assert plan.checkpoint_layers == (checkpoint is None) and len(calls) == passes * len(model.layers)
         assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
@@ -399,7 +399,7 @@ def test_bad_input():
     sft = SFTLoss(tree.logprob_mask)
     with pytest.raises(ValueError, match="scalar"):
         dta_fast.tree_backward(model, tree, lambda i, lp: lp * 2)
-    with pytest.raises(ValueError, match="at least 1 token"):
+    with pytest.raises(ValueError, match="max_chunk_tokens must be >= 1"):
         dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=0)
     with pytest.raises(TypeError, match="max_chunk_tokens must be an int"):
         dta_fast.tree_backward(model, tree, sft, max_chunk_tokens=2.5)
@@ -483,19 +483,19 @@ def test_chunks_cross_into_the_next_branch():
 
 def test_recompute_skips_chunks_that_close_at_once(monkeypatch):
     """Recompute mode redoes the forward only of chunks that stay open across others."""
-    from dta_fast.engine import _Engine
+    from dta_fast.chunked.engine import ChunkEngine
 
     seqs = [[1] * 4 + [2] * 4, [1] * 4 + [3] * 4]
     tree = PrefixTree.from_sequences(seqs)
     model = tiny_decoder(torch.float64)
     calls = []
-    run_chunk = _Engine.run_chunk
+    run_chunk = ChunkEngine.run_chunk
 
     def counted(self, c, *args, **kwargs):
         calls.append(int(self.plan.start[c]))
         return run_chunk(self, c, *args, **kwargs)
 
-    monkeypatch.setattr(_Engine, "run_chunk", counted)
+    monkeypatch.setattr(ChunkEngine, "run_chunk", counted)
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     model.zero_grad(set_to_none=True)
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=4, recompute=True)
@@ -703,7 +703,7 @@ def test_bad_budgets_and_sizes(bad):
         with pytest.raises(ValueError, match="memory_margin_bytes must be a finite non-negative"):
             dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), memory_margin_bytes=bad)
     if not isinstance(bad, float) or bad.is_integer():
-        with pytest.raises(ValueError, match="chunk_tokens must be at least 1 token"):
+        with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
             dta_fast.estimated_step_bytes(model, tree, int(bad))
     with pytest.raises(TypeError, match="chunk_tokens must be an int"):
         dta_fast.estimated_step_bytes(model, tree, 2.5)
@@ -713,19 +713,19 @@ def test_bad_budgets_and_sizes(bad):
 
 def test_cpu_default_is_one_chunk(monkeypatch):
     """Without chunk size or budget, a CPU model runs the forest as one chunk, with no budget search."""
-    from dta_fast import engine
+    from dta_fast.chunked import budget
 
     tree = PrefixTree.from_sequences(batch())
     model = tiny_decoder(torch.float64)
     chosen = []
-    original = engine._Engine.__init__
+    original = engine.ChunkEngine.__init__
 
     def spy(self, model, tree, plan, *args):
         chosen.append(plan)
         original(self, model, tree, plan, *args)
 
-    monkeypatch.setattr(engine._Engine, "__init__", spy)
-    monkeypatch.setattr(engine, "_largest_fitting_plan", None)  # any budget search would fail
+    monkeypatch.setattr(engine.ChunkEngine, "__init__", spy)
+    monkeypatch.setattr(budget, "largest_fitting_plan", None)  # any budget search would fail
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
     assert [p.chunks for p in chosen] == [[(0, tree.num_tokens)]]
 
@@ -849,7 +849,7 @@ def test_dropout_masks_replayed_when_a_chunk_is_redone():
     assert all(torch.equal(redone[2][n], kept[2][n]) for n in kept[2])
     assert not torch.equal(redone[0], _dropout_step(loss, tree, 2, max_chunk_tokens=size)[0])  # dropout draws
 
-    from dta_fast._trainers import LinearizedLoss
+    from dta_fast.trainer_common import LinearizedLoss
 
     weights = torch.randn(tree.num_sequences, tree.max_length - 1, dtype=torch.float64) * tree.logprob_mask
     one_pass = _dropout_step(LinearizedLoss(weights), tree, 1, max_chunk_tokens=size)
@@ -864,7 +864,7 @@ def test_grad_scaler_scales_the_backward(generic):
     """float16 mixed precision's GradScaler: the backward runs on the scaled loss, as
     scaler.scale(loss).backward() would, so the gradients are plain training's times the scale and
     scaler.step applies plain training's step; the returned loss is unscaled."""
-    from dta_fast._trainers import LinearizedLoss
+    from dta_fast.trainer_common import LinearizedLoss
 
     seqs = batch()
     tree = PrefixTree.from_sequences(seqs)

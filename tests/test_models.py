@@ -200,7 +200,7 @@ def test_peft_prompt_learning_is_refused():
                    PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)):  # fmt: skip
         model = get_peft_model(tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6), config)
         with pytest.raises(TypeError, match="adds virtual tokens"):
-            dta_fast.tree_logprobs(model, TREE)
+            dta_fast.tree_logprobs(model, TREE, attention_impl="kernel")
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
@@ -240,14 +240,14 @@ def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
     runs windows of 2 rows (what a tight budget may choose): the per-sequence gradients."""
     pytest.importorskip("peft")
     model = checkpointing(lora_model("qwen2", seed=12), reentrant=False)
-    choose, windows = dta_fast.engine._choose_plan, []
-    monkeypatch.setattr(dta_fast.engine, "_choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2))
+    choose, windows = dta_fast.chunked.engine.choose_plan, []
+    monkeypatch.setattr(dta_fast.chunked.engine, "choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2))
 
     def recording(hidden, head, head_rows, *args):
         windows.extend(w.row_hi - w.row_lo for w in head_rows.windows)
         return dta_fast.logprobs.head_logprobs(hidden, head, head_rows, *args)
 
-    monkeypatch.setattr(dta_fast.engine, "head_logprobs", recording)
+    monkeypatch.setattr(dta_fast.chunked.engine, "head_logprobs", recording)
     assert_tree_backward_matches_each_rollout_alone(model, max_chunk_tokens=4)
     assert max(windows) == 2
 
@@ -271,7 +271,7 @@ def test_peft_adapter_disabled_is_the_base_model():
         want = dta_ref.flat_logprobs(model.get_base_model(), SEQUENCES)
         for fn in TWINS.values():
             torch.testing.assert_close(fn(model, TREE), want, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(dta_fast.tree_logprobs(model, TREE), want, atol=1e-3)
+    assert not torch.allclose(dta_fast.tree_logprobs(model, TREE, attention_impl="kernel"), want, atol=1e-3)
 
 
 def test_torch_compiled_model():
@@ -338,7 +338,7 @@ def test_adapter_answers_for_every_wrapper():
 )
 def test_models_that_are_refused(build, message):
     with pytest.raises(TypeError, match=message):
-        dta_fast.tree_logprobs(build(), TREE)
+        dta_fast.tree_logprobs(build(), TREE, attention_impl="kernel")
 
 
 def test_sequence_classification_model_is_refused():
@@ -368,19 +368,20 @@ def test_logprobs_and_entropy_with_a_mask(temperature):
     m = mask.to(DEVICE)
     want_lp, want_ent = want_lp * m, want_ent * m
     want = torch.autograd.grad((want_lp * w_lp + want_ent * w_ent).sum(), list(model.parameters()))
-    for twin in (dta_ref.tree_logprobs_and_entropy, dta_fast.tree_logprobs_and_entropy):
+    fast = functools.partial(dta_fast.tree_logprobs_and_entropy, attention_impl="kernel")
+    for twin in (dta_ref.tree_logprobs_and_entropy, fast):
         out = twin(model, TREE, temperature=temperature, mask=mask)
         torch.testing.assert_close(out.logprobs, want_lp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.entropy, want_ent, rtol=1e-5, atol=1e-5)
         got = torch.autograd.grad((out.logprobs * w_lp + out.entropy * w_ent).sum(), list(model.parameters()))
         got, flat = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in want])
-        assert float((got - flat).norm() / flat.norm()) < 1e-5, twin.__module__
+        assert float((got - flat).norm() / flat.norm()) < 1e-5, getattr(twin, 'func', twin).__module__
     with pytest.raises(ValueError, match="mask has shape"):
-        dta_fast.tree_logprobs(model, TREE, mask=mask[:, 1:])
+        dta_fast.tree_logprobs(model, TREE, mask=mask[:, 1:], attention_impl="kernel")
     with pytest.raises(TypeError, match="bool tensor"):
         dta_ref.tree_logprobs(model, TREE, mask=mask.float())
     with pytest.raises(ValueError, match="temperature must be positive"):
-        dta_fast.tree_logprobs(model, TREE, temperature=0.0)
+        dta_fast.tree_logprobs(model, TREE, temperature=0.0, attention_impl="kernel")
 
 
 def test_float64_head_keeps_float64():

@@ -14,15 +14,14 @@ from dta_fast.partition import (
     CostModel,
     Partition,
     TreeStats,
-    _Batch,
-    _dfs_contiguous,
-    _lpt,
-    _nnls_numpy,
-    _pieces,
-    _token_arrays,
+    dfs_contiguous_shards,
+    lpt_shards,
+    nnls_numpy,
     partition,
+    split_pieces,
     tree_stats,
 )
+from dta_fast.sorted_batch import SortedBatch, token_arrays
 from dta_ref import PrefixTree
 
 TOKENS_ONLY = CostModel(token=1.0, pair=0.0)
@@ -246,8 +245,8 @@ def test_contiguous_split_uses_idle_ranks_evenly():
     rng = np.random.default_rng(0)
     sequences = [[0] + rng.integers(100, 999, size=99).tolist()]
     sequences += [[5, 6] + rng.integers(100, 999, size=9).tolist() for _ in range(4)]
-    batch = _Batch(_token_arrays(sequences))
-    runs = _dfs_contiguous(batch, TOKENS_ONLY, 3)
+    batch = SortedBatch(token_arrays(sequences))
+    runs = dfs_contiguous_shards(batch, TOKENS_ONLY, 3)
     assert [r.tolist() for r in runs] == [[0], [1, 2], [3, 4]]  # preorder positions
     part = partition(sequences, 3, TOKENS_ONLY)
     check_partition(part, sequences, 3, TOKENS_ONLY)
@@ -399,15 +398,37 @@ def test_tree_stats_match_prefix_tree():
     )
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 64, 65])
+def test_sorted_batch_answers_by_brute_force(n):
+    """SortedBatch's order, common prefixes of any two positions and first later position with lcp at most
+    a limit, against sorting and comparing the sequences directly (sizes around powers of two)."""
+    rng = np.random.default_rng(n)
+    sequences = [rng.integers(0, 3, size=int(rng.integers(1, 6))).tolist() for _ in range(n)]
+    batch = SortedBatch(token_arrays(sequences))
+    ordered = sorted(sequences)
+    assert [sequences[i] for i in batch.order] == ordered
+
+    def common(a, b):
+        return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    for p in range(n):
+        for r in range(p + 1, n):
+            assert batch.common(p, r) == common(ordered[p], ordered[r])
+    after = np.repeat(np.arange(n), 6)
+    limit = np.tile(np.arange(6), n)
+    expected = [next((q for q in range(a + 1, n) if batch.lcp[q] <= t), n) for a, t in zip(after, limit)]
+    assert batch.first_later_at_most(after, limit).tolist() == expected
+
+
 def test_lpt_counts_a_shards_constant_once():
     """With a per-shard constant, a rank that takes a second tree pays the constant once: four separate
     trees of 2, 3, 4 and 5 tokens on two ranks cost (4 + 3) + 5 and (5 + 2) + 5 as LPT tracks them."""
     sequences = [[1, 2], [3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14]]
     model = CostModel(token=1.0, pair=0.0, sequence=0.0, constant=5.0)
-    batch = _Batch(_token_arrays(sequences))
-    pieces = _pieces(batch, model, 1.0)  # one piece per tree
+    batch = SortedBatch(token_arrays(sequences))
+    pieces = split_pieces(batch, model, 1.0)  # one piece per tree
     piece_costs = [model.cost([sequences[i] for i in batch.order[a : b + 1]]) for a, b in pieces]
-    shards, loads = _lpt(batch, model, pieces, piece_costs, 2)
+    shards, loads = lpt_shards(batch, model, pieces, piece_costs, 2)
     exact = [model.cost([sequences[i] for i in batch.order[positions]]) for positions in shards]
     assert sorted(exact) == [12.0, 12.0] and loads == pytest.approx(exact)
 
@@ -501,8 +522,8 @@ def test_numpy_nnls_matches_scipy():
     for _ in range(20):
         A = rng.standard_normal((12, 4))
         y = rng.standard_normal(12)
-        np.testing.assert_allclose(_nnls_numpy(A, y), optimize.nnls(A, y)[0], atol=1e-10)
-        assert kkt_violation(A, y, _nnls_numpy(A, y)) < 1e-10
+        np.testing.assert_allclose(nnls_numpy(A, y), optimize.nnls(A, y)[0], atol=1e-10)
+        assert kkt_violation(A, y, nnls_numpy(A, y)) < 1e-10
 
 
 # ------------------------------------------------------------------ bad input

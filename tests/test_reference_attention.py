@@ -195,3 +195,65 @@ def test_mask_from_subtree_end_matches_tree_mask():
     full = dta_ref.mask_from_subtree_end(tree.subtree_end, torch.arange(tree.num_tokens))
     assert torch.equal(full, dta_ref.tree_attention_mask(tree))
     assert full.dtype == torch.bool
+
+
+def test_tree_mask_is_the_rule_key_j_for_its_subtree():
+    """tree_mask(i, j, end) is j <= i < end[j], elementwise, broadcast, batched, and as a FlexAttention
+    mask_mod: the BlockMask it builds densifies to the same mask."""
+    tree = PrefixTree.from_sequences(TREE_SEQS)
+    end, T = tree.subtree_end, tree.num_tokens
+    rule = torch.tensor([[j <= i < int(end[j]) for j in range(T)] for i in range(T)])
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    assert torch.equal(dta_ref.tree_mask(i, j, end), rule)
+    assert all(bool(dta_ref.tree_mask(torch.tensor(a), torch.tensor(b), end)) == bool(rule[a, b])
+               for a in range(T) for b in range(T))  # fmt: skip
+    batched = dta_ref.tree_mask(i, j, torch.stack([end, torch.arange(1, T + 1)]))  # a tree, then singletons
+    assert torch.equal(batched[0], rule) and torch.equal(batched[1], torch.eye(T, dtype=torch.bool))
+    assert torch.equal(dta_ref.tree_attention_mask(tree), rule)
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block = create_block_mask(lambda b, h, q, kv: dta_ref.tree_mask(q, kv, end), 1, 1, T, T, device="cpu",
+                              BLOCK_SIZE=4)  # fmt: skip
+    live = block.to_dense()[0, 0].bool().repeat_interleave(4, 0).repeat_interleave(4, 1)[:T, :T]
+    assert not (rule & ~live).any()  # every visible pair lies in a block the BlockMask keeps
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = random_qkv(1, 2, 2, T, T, 8, dtype=torch.float32)
+    out = flex_attention(q, k, v, block_mask=block)
+    assert_close_report(out, dta_ref.tree_attention(q, k, v, end), atol=1e-5, rtol=1e-5, name="flex vs twin")
+
+
+def test_tree_attention_twin_of_the_kernel():
+    """dta_ref.tree_attention has the kernel's signature, and equals attention under its explicit mask, for
+    a cached prefix, a tree per batch row, GQA; its LSE is the log-sum-exp of the visible scaled scores."""
+    import inspect
+
+    fast = pytest.importorskip("dta_fast").tree_attention if importlib_has("triton") else None
+    ref_params = inspect.signature(dta_ref.tree_attention).parameters
+    if fast is not None:
+        fast_params = inspect.signature(fast).parameters
+        for name, param in ref_params.items():
+            assert name in fast_params and fast_params[name].kind == param.kind, name
+            if name != "subtree_end":  # the kernel's may come from a schedule instead
+                assert fast_params[name].default == param.default, name
+    trees = [PrefixTree.from_sequences(TREE_SEQS).subtree_end, PrefixTree.from_sequences(TREE_SEQS[::-1]).subtree_end]
+    T = trees[0].numel()
+    for end, Tq in ((trees[0], T), (trees[0], 5), (torch.stack(trees), 7)):
+        q, k, v = random_qkv(2, 4, 2, Tq, T, 8, seed=Tq)
+        mask = dta_ref.mask_from_subtree_end(end, torch.arange(T - Tq, T))
+        mask = mask[:, None] if mask.dim() == 3 else mask
+        out, lse = dta_ref.tree_attention(q, k, v, end, 0.3, return_lse=True)
+        torch.testing.assert_close(out, dta_ref.attention(q, k, v, mask, 0.3), rtol=0, atol=0)
+        s = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+        torch.testing.assert_close(lse, torch.logsumexp(s.masked_fill(~mask, -math.inf), -1).float())
+    with pytest.raises(ValueError, match="subtree_end has shape"):
+        dta_ref.tree_attention(q, k, v, end[..., :-1])
+    with pytest.raises(ValueError, match="crosses|exceeds|subtree"):
+        dta_ref.tree_attention(q, k, v, torch.full((2, T), 1))
+
+
+def importlib_has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

@@ -11,7 +11,7 @@ import torch
 import dta_fast
 import dta_ref
 import dta_fast.rollout as fast_rollout
-from dta_ref.rollout import DraftTree, SamplingParams, sampling_probs, walk
+from dta_ref.rollout import DraftTree, SamplingParams, context_logits, sampling_probs, walk
 from tests.helpers import assert_close_report, tiny_decoder, tiny_hf_model
 
 SPECULATIVE = {"ref": dta_ref.speculative_sample, "fast": dta_fast.speculative_sample}
@@ -46,9 +46,7 @@ def cache_of(prompts, completions):
 def teacher_forced(model, prompt, completion, params):
     """Each completion token's log-probability under the sampling distribution, one causal forward per prefix."""
     contexts = [prompt + completion[:t] for t in range(len(completion))]
-    from dta_ref.rollout import _context_logits
-
-    probs = sampling_probs(_context_logits(model, contexts), params)
+    probs = sampling_probs(context_logits(model, contexts), params)
     return probs[torch.arange(len(completion)), torch.tensor(completion)].log()
 
 
@@ -111,15 +109,13 @@ def small():
 @torch.no_grad()
 def exact_distribution(model, prompt, params):
     """Probability of every possible completion (EOS ends one early), by enumeration."""
-    from dta_ref.rollout import _context_logits
-
     probs = {}
 
     def expand(done, p):
         if len(done) == NEW or (done and done[-1] == EOS):
             probs[tuple(done)] = p
             return
-        dist = sampling_probs(_context_logits(model, [prompt + done]), params)[0]
+        dist = sampling_probs(context_logits(model, [prompt + done]), params)[0]
         for t in range(V_SMALL):
             if dist[t] > 0:
                 expand(done + [t], p * float(dist[t]))
@@ -313,14 +309,14 @@ def test_fast_kv_buffers_grow_with_the_completions(model, monkeypatch):
     twin's, through several growths with drafts, and a huge max_new_tokens or max_draft_tokens allocates
     for what is generated, not for the limit (it had allocated for the limit up front)."""
     grown = []  # (capacity before, capacity after, the most a run needs)
-    original = fast_rollout._KVEngine._grow
+    original = fast_rollout.KVEngine.grow
 
     def spy(self, window):
         before = self.capacity
         original(self, window)
         grown.append((before, self.capacity, self.most))
 
-    monkeypatch.setattr(fast_rollout._KVEngine, "_grow", spy)
+    monkeypatch.setattr(fast_rollout.KVEngine, "grow", spy)
     monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", 4)
     prompts = PROMPTS * 2
     base = dta_fast.sample(model, prompts, 120, temperature=0.9, generator=gen(4))
@@ -360,7 +356,7 @@ def test_fast_engine_with_the_kernel(monkeypatch):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     expected = dta_ref.sample(model, prompts, 6, temperature=0).completions
     cache = cache_of(prompts, [c[:3] + [0, 0] for c in expected])
-    monkeypatch.setattr(fast_rollout, "_use_kernel", lambda device: True)
+    monkeypatch.setattr(fast_rollout, "uses_kernel", lambda device: True)
     out = dta_fast.speculative_sample(model, prompts, 6, cache=cache, temperature=0, max_draft_tokens=4)
     assert out.completions == expected
     assert out.stats["accepted_tokens"] >= 2
@@ -556,6 +552,44 @@ def test_numpy_scalars_are_numbers(model, sampler):
     numpy = PLAIN[sampler](model, [[1, 2]], np.int64(3), temperature=np.float32(0.7), top_k=np.int64(5),
                            eos_token_id=np.int64(3), generator=gen())  # fmt: skip
     assert numpy.completions == plain.completions
+
+
+ALL_SAMPLERS = ["ref.sample", "fast.sample", "ref.speculative", "fast.speculative"]
+
+
+def sampler_fn(sampler, cache_from=None):
+    """The sampler named ``engine.kind``; a speculative one gets a fresh cache (of ``cache_from``'s completions)."""
+    engine, kind = sampler.split(".")
+    if kind != "speculative":
+        return PLAIN[engine]
+    completions = [] if cache_from is None else cache_from.completions
+    return lambda *a, **k: SPECULATIVE[engine](*a, cache=cache_of(PROMPTS, completions), **k)
+
+
+@pytest.mark.parametrize("sampler", ALL_SAMPLERS)
+def test_progress_bar_on_stderr_changes_no_draw(model, sampler, capsys):
+    """progress=True draws a bar over the generated tokens on stderr and draws the same tokens as
+    progress=False; by default (None) the bar shows only on a terminal, which a captured stderr is not."""
+    base = dta_ref.sample(model, PROMPTS, 8, temperature=0.9, generator=gen(4))
+    capsys.readouterr()
+    kw = dict(temperature=0.9, eos_token_id=base.completions[0][2])  # some completion ends early
+    runs = {}
+    for progress in (False, None, True):
+        runs[progress] = sampler_fn(sampler, base)(model, PROMPTS, 8, generator=gen(4), progress=progress, **kw)
+        runs[progress, "stderr"] = capsys.readouterr().err
+    assert runs[False, "stderr"] == runs[None, "stderr"] == ""
+    n = runs[True].stats["generated_tokens"]
+    assert n < 8 * len(PROMPTS) and "sampling" in runs[True, "stderr"]
+    assert f"| {n}/{n} [" in runs[True, "stderr"]  # an early end reads done
+    for progress in (None, True):
+        _assert_twins(runs[False], runs[progress])
+
+
+@pytest.mark.parametrize("sampler", ALL_SAMPLERS)
+def test_progress_must_be_a_bool_or_none(model, sampler):
+    for progress in (1, "yes"):
+        with pytest.raises(TypeError, match=f"progress must be a bool or None, got {type(progress).__name__}"):
+            sampler_fn(sampler)(model, [[1, 2]], 2, progress=progress)
 
 
 def test_bad_cache_and_rollout_arguments():

@@ -279,3 +279,17 @@ def test_fast_builder_on_training_shaped_batches():
         expected, built = PrefixTree.from_sequences(batch), dta_fast.build_tree(batch)
         for name in expected.__dataclass_fields__:
             assert torch.equal(getattr(expected, name), getattr(built, name)), name
+
+
+def test_plot_writes_to_the_working_directory_unless_given_a_path(tmp_path, monkeypatch, capsys):
+    """``python -m dta_ref.plot`` draws to ./prefix_tree.png (from a checkout it had overwritten the tracked
+    docs/images/prefix_tree.png); an explicit path is still honoured."""
+    pytest.importorskip("matplotlib")
+    from dta_ref.plot import main
+
+    monkeypatch.chdir(tmp_path)
+    main([])
+    assert [p.name for p in tmp_path.iterdir()] == ["prefix_tree.png"]
+    main([str(tmp_path / "images" / "other.png")])
+    assert (tmp_path / "images" / "other.png").stat().st_size > 0
+    assert capsys.readouterr().out.split() == ["prefix_tree.png", str(tmp_path / "images" / "other.png")]

@@ -20,7 +20,6 @@ from dta_fast import build_schedule, tree_attention  # noqa: E402
 from dta_ref import PrefixTree, agentic_batch, grpo_batch  # noqa: E402
 from tests.attention_checks import (  # noqa: E402
     check_tree_attention,
-    poison_empty,  # noqa: F401 (autouse: unwritten kernel outputs are NaN)
     random_depths,
     subtree_end_from_depths,
 )
@@ -113,7 +112,7 @@ def test_batch_past_the_grid_limit_runs_in_slices(shared, monkeypatch):
         return out, lse, *[x.grad for x in inputs]
 
     whole = run()
-    monkeypatch.setattr(dta_fast.attention, "MAX_GRID_ROWS", 5)  # 2 rows of 2 heads per slice
+    monkeypatch.setattr(dta_fast.attention.function, "MAX_GRID_ROWS", 5)  # 2 rows of 2 heads per slice
     for got, want in zip(run(), whole):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -199,7 +198,7 @@ def test_key_block_order_is_longest_first(Tq):
     visible = torch.nn.functional.pad(dta_fast_mask(end, Tq), (0, Nk * BN - Tk, 0, Mq * BM - Tq))
     # a key block's program walks exactly the query blocks holding a query that one of its keys sees
     work = visible.view(2, Mq, BM, Nk, BN).any(4).any(2).sum(1).flatten()
-    walked = dta_fast.attention._key_block_work(schedule.subtree_end, Tq, BM, BN)
+    walked = dta_fast.attention.schedule.key_block_work(schedule.subtree_end, Tq, BM, BN)
     assert walked.tolist() == work.tolist()
     order = schedule.key_block_order(BM, BN).long().cpu()
     work = work.cpu()
@@ -232,9 +231,9 @@ def test_dkdv_shares_follow_the_work(monkeypatch):
     """dK/dV shares a unit's query heads out over programs where its work is more than a program's share
     of the GPU: a long prompt's units, not its short branches'; nothing where every program is small
     or a K/V head has one query head; within the workspace, whose slots the units take in turn."""
-    from dta_fast import attention
+    from dta_fast.attention import schedule
 
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 16)
+    monkeypatch.setattr(schedule, "sm_count", lambda device: 16)
 
     def shares_of(end, heads_per_row, group, head_dim=64):
         plan = build_schedule(end.to(DEVICE)).dkdv_shares(heads_per_row, group, head_dim)
@@ -243,7 +242,7 @@ def test_dkdv_shares_follow_the_work(monkeypatch):
     # a prompt of 1024 tokens and 64 branches of 8: 12 units of 128 keys
     tree = PrefixTree.from_sequences([list(range(1024)) + [2000 + 8 * i + j for j in range(8)] for i in range(64)])
     end = tree.subtree_end
-    work = attention._key_block_work(end[None].int().to(DEVICE), tree.num_tokens, 64, 128).tolist()
+    work = schedule.key_block_work(end[None].int().to(DEVICE), tree.num_tokens, 64, 128).tolist()
     plan, shares, first = shares_of(end, 2, 7)
     assert plan.max_shares == 7 and len(shares) == 12
     assert shares == expected_shares(work, 2, 7, plan.slots, 16)
@@ -256,11 +255,11 @@ def test_dkdv_shares_follow_the_work(monkeypatch):
     balanced = subtree_end_from_depths([0, 1] * 600)  # 600 two-token roots: every unit walks its own keys
     assert set(shares_of(balanced, 64, 4)[1]) == {1}
     # a workspace too small for F = 4 takes a smaller F; one with no room splits nothing
-    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", 2 * 128 * 64 * 4 * 40)  # 40 slots
+    monkeypatch.setattr(schedule, "DKDV_SPLIT_WORKSPACE_BYTES", 2 * 128 * 64 * 4 * 40)  # 40 slots
     plan, shares, _ = shares_of(end, 2, 7)
     assert plan.slots == 40 and shares == expected_shares(work, 2, 7, 40, 16)
     assert 1 < max(shares) < 7 and sum(x for x in shares if x > 1) * 2 <= 40
-    monkeypatch.setattr(attention, "DKDV_SPLIT_WORKSPACE_BYTES", 0)
+    monkeypatch.setattr(schedule, "DKDV_SPLIT_WORKSPACE_BYTES", 0)
     plan, shares, _ = shares_of(end, 2, 7)
     assert plan.max_shares == 1 and shares == [1] * 12
 
@@ -270,14 +269,14 @@ def test_dkdv_shares_match_one_program_per_group(Tq, monkeypatch):
     """Each GQA group's query heads shared out over programs (float32 partials summed in share order)
     give the reference's gradients, those of one program per group up to rounding, and bitwise the
     same gradients again."""
-    from dta_fast import attention
+    from dta_fast.attention import schedule
 
     end = subtree_end_from_depths(random_depths(45, np.random.default_rng(11))).to(DEVICE)
     q, k, v = make_qkv(1, 6, 2, Tq, 45, 32, torch.float32, seed=3)
-    monkeypatch.setattr(attention, "DKDV_SPLIT_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(schedule, "DKDV_SPLIT_PROGRAMS_PER_SM", 0)
     whole = check_tree_attention(q, k, v, end)
     assert build_schedule(end, Tq).dkdv_shares(2, 3, 32).shares.tolist() == [1]
-    monkeypatch.setattr(attention, "DKDV_SPLIT_PROGRAMS_PER_SM", 10**6)
+    monkeypatch.setattr(schedule, "DKDV_SPLIT_PROGRAMS_PER_SM", 10**6)
     split = check_tree_attention(q, k, v, end)
     again = check_tree_attention(q, k, v, end)
     assert build_schedule(end, Tq).dkdv_shares(2, 3, 32).shares.tolist() == [3]
@@ -291,10 +290,10 @@ def test_dkdv_shares_on_a_prompt_and_short_branches(dtype, monkeypatch):
     """Units of 64 keys and 4 SMs, on any device: the prompt's units split over programs, the branches'
     not, in one call; dK and dV match the reference, and each K/V head of a split unit gets slots of
     its own."""
-    from dta_fast import attention
+    from dta_fast.attention import schedule
 
-    monkeypatch.setattr(attention, "DKDV_SPLIT_UNIT", 64)  # a multiple of every dK/dV key block at head dim 16
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(schedule, "DKDV_SPLIT_UNIT", 64)  # a multiple of every dK/dV key block at head dim 16
+    monkeypatch.setattr(schedule, "sm_count", lambda device: 4)
     tree = PrefixTree.from_sequences([list(range(128)) + [200 + 8 * i + j for j in range(8)] for i in range(16)])
     end = tree.subtree_end.to(DEVICE)
     assert build_schedule(end).dkdv_shares(2, 3, 16).shares.tolist() == [3, 3, 1, 1]
@@ -326,10 +325,10 @@ def test_invalid_subtree_end(end, match):
 def test_a_tree_is_checked_once_until_written(monkeypatch):
     """tree_attention(subtree_end=t) checks t (a host sync) on its first call only, as every layer
     passes the same tensor; writing t in place makes the next call check it again."""
-    import dta_fast.attention as ta
+    from dta_fast.attention import schedule
 
     checks = []
-    monkeypatch.setattr(ta, "validate_subtree_end", lambda end: checks.append(1) or ta.nesting_depth(end))
+    monkeypatch.setattr(schedule, "validate_subtree_end", lambda end: checks.append(1) or schedule.nesting_depth(end))
     end = torch.tensor([3, 2, 3], device=DEVICE)
     q, k, v = make_qkv(1, 1, 1, 3, 3, 16, torch.float32)
     for _ in range(3):
@@ -611,7 +610,7 @@ def test_block_lists_are_the_live_key_blocks(Tq, BM, BN):
 def test_queries_seeing_flagged_keys(Tq):
     """The isolation's scan marks exactly the queries whose mask row holds a flagged key, per batch row
     and head, for a tree per row and for one tree shared by the batch."""
-    from dta_fast.attention import _queries_seeing
+    from dta_fast.attention.function import queries_seeing
 
     rng = np.random.default_rng(Tq)
     Tk, H = 70, 3
@@ -620,19 +619,19 @@ def test_queries_seeing_flagged_keys(Tq):
     for end in (ends, ends[:1]):
         mask = dta_fast_mask(end, Tq).expand(2, Tq, Tk)  # [B, Tq, Tk]
         expected = (mask[:, None] & flags[:, :, None, :].bool()).any(-1).to(torch.int8)
-        got = _queries_seeing(flags.to(DEVICE), end.to(torch.int32).to(DEVICE), Tq)
+        got = queries_seeing(flags.to(DEVICE), end.to(torch.int32).to(DEVICE), Tq)
         assert torch.equal(got.cpu(), expected)
 
 
 def test_autotune_bucket_by_query_count():
     """Tuning is kept per bucket of query counts: a decode step does not pick the training chunk's warps."""
-    from dta_fast import attention
+    from dta_fast.attention import kernels
 
-    for kernel in (attention.tree_attention_fwd_kernel, attention.tree_attention_bwd_dkdv_kernel,
-                   attention.tree_attention_bwd_dq_kernel):  # fmt: skip
+    for kernel in (kernels.tree_attention_fwd_kernel, kernels.tree_attention_bwd_dkdv_kernel,
+                   kernels.tree_attention_bwd_dq_kernel):  # fmt: skip
         assert "SIZE_CLASS" in kernel.keys
-    _size_class = attention._size_class
-    assert [_size_class(n) for n in (1, 63, 64, 1023, 1024, 16383, 16384, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    size_class = kernels.size_class
+    assert [size_class(n) for n in (1, 63, 64, 1023, 1024, 16383, 16384, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 @pytest.fixture

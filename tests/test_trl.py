@@ -301,7 +301,7 @@ def test_attention_dropout_is_refused_at_construction(tmp_path):
 @pytest.mark.parametrize(
     "options, exc, match",
     [
-        (dict(tree_max_chunk_tokens=0), ValueError, "tree_max_chunk_tokens must be at least 1"),
+        (dict(tree_max_chunk_tokens=0), ValueError, "tree_max_chunk_tokens must be >= 1"),
         (dict(tree_max_chunk_tokens=2.5), TypeError, "tree_max_chunk_tokens must be an int"),
         (dict(tree_memory_budget_bytes=-1), ValueError, "tree_memory_budget_bytes must be"),
         (dict(tree_max_chunk_tokens=8, tree_memory_budget_bytes=2**30), ValueError, "not both"),

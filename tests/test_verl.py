@@ -94,7 +94,7 @@ def test_shared_scoring_refuses_a_row_without_a_prompt():
     """The scoring TreeGRPOTrainer shares with verl (block_logprobs_and_entropy) refuses a completion with
     nothing before it, as verl_log_probs does: its first token has no context, and a logprob of 0 would
     read as a certain token (ratio 1, no gradient)."""
-    from dta_fast._trainers import block_logprobs_and_entropy
+    from dta_fast.trainer_common import block_logprobs_and_entropy
 
     model = tiny_hf_model("qwen2", torch.float32, "sdpa")
     input_ids, mask, _, responses = _without_a_prompt(verl_micro_batch(PROMPTS, RESPONSES))

@@ -1,11 +1,11 @@
 """Tree attention's three kernels on Hopper (sm_90), warp-specialised, in Gluon.
 
-Twins of the Triton kernels in ``attention.py`` (the same blocks, taken in the same order, with the
+Twins of the Triton kernels in ``kernels.py`` (the same blocks, taken in the same order, with the
 same arithmetic: bitwise the same outputs, LSE and gradients; at head dim 64 dK/dV takes key blocks of
 128 where the Triton kernel takes 64, and each key still meets its query blocks in the same order, so
 its sums are the same), written with Hopper's own tools, which
 Triton's automatic pipelining does not reach for a tree's mix of full and partly visible blocks
-(docs/benchmarks.md, "The three kernels warp-specialised on Hopper"). Each kernel's program is split
+(docs/design_notes.md). Each kernel's program is split
 into partitions that meet at mbarriers in shared memory:
 
 - a loader warp that issues every TMA load: the program's fixed tiles first, then its ring of
@@ -21,7 +21,7 @@ that product does.
 dK/dV (``tree_attention_bwd_dkdv_hopper_kernel``): a key block of 128, one compute warpgroup per 64
 keys holding its dK and dV; the loader brings K and V once, then per step the Q and dO tiles of 64
 queries with their rows' LSE and delta, over the query heads of the GQA group (or the program's
-share of them, attention.DkdvShares) and the key block's contiguous query range (masked head, full
+share of them, schedule.DkdvShares) and the key block's contiguous query range (masked head, full
 middle, masked tail).
 
 dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks at head dim 128 (64 queries, key
@@ -41,11 +41,18 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared, later releases async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    from .kernels import LOG2E
+
     HAVE_GLUON = True
 except ImportError:  # a Triton without Gluon: the Triton kernels everywhere
     HAVE_GLUON = False
@@ -79,7 +86,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def forward(q, k, v, o, lse, end, lists, sees_bad, qk_scale, batch_strides):
     """Write o [B, Hq, Tq, D] and lse [B, Hq, Tq] as ``tree_attention_fwd_kernel`` does; v is V with its
-    non-finite rows zeroed, sees_bad the queries that see one of them (attention._forward)."""
+    non-finite rows zeroed, sees_bad the queries that see one of them (function._forward)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -153,7 +160,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_key_blocks(start, mid, stop, KV_IDX, KV_RUN, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty):
-        """A row's key blocks (attention.BlockLists) in the order the compute warps take them: the full
+        """A row's key blocks (schedule.BlockLists) in the order the compute warps take them: the full
         ones run by run, then the partly visible ones."""
         i = 0
         e = start
@@ -181,7 +188,7 @@ if HAVE_GLUON:
                        MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
         """Key block n, the i-th of the row: S_i = Q K_i^T issued with O += P_{i-1} V_{i-1} (for i = 0, P is
         zero and V_0 stands in), the softmax of S_i while the second runs, then O rescaled and P_i made.
-        The arithmetic is attention._softmax_step's (the scale through the row max on full blocks)."""
+        The arithmetic is kernels._softmax_step's (the scale through the row max on full blocks)."""
         STAGES_: gl.constexpr = k_bufs.shape[0]
         HALF_M: gl.constexpr = q.shape[0]
         BLOCK_N_: gl.constexpr = k_bufs.shape[3]
@@ -254,7 +261,7 @@ if HAVE_GLUON:
 
         l_i = gl.where(l_i > 0, l_i, 1.0)  # rows past Tq saw nothing; they are not stored
         mask_m = offs_m < Tq
-        gl.store(LSE + lse_base + offs_m, (m_i + gl.log2(l_i)) / 1.4426950408889634, mask=mask_m)
+        gl.store(LSE + lse_base + offs_m, (m_i + gl.log2(l_i)) / LOG2E, mask=mask_m)
         offs_mo = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
         sees_bad = gl.load(SEES_BAD + sees_base + offs_mo, mask=offs_mo < Tq, other=0)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -302,7 +309,7 @@ DKDV_STAGES = 3
 def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scale, stride_eb, heads_per_row, shares,
                   workspace):  # fmt: skip
     """Write dk, dv as ``tree_attention_bwd_dkdv_kernel`` does (q, do with their non-finite rows zeroed,
-    v the forward's; lse and delta the preprocess pass's; ``shares`` the schedule's attention.DkdvShares,
+    v the forward's; lse and delta the preprocess pass's; ``shares`` the schedule's schedule.DkdvShares,
     whose split units' float32 partials go to ``workspace`` [slots, 2, DKDV_BLOCK_N, D]); ``order`` is
     the schedule's key-block order for (DKDV_BLOCK_M, DKDV_BLOCK_N)."""
     B, Hq, Tq, D = q.shape
@@ -350,14 +357,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_step(i, dk, dv, k, v, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, m, offs_n, end_n, q_offset,
                    qk_scale, MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        """Query block m of one head against this warpgroup's 64 keys: attention._dkdv_query_blocks' step."""
+        """Query block m of one head against this warpgroup's 64 keys: kernels._dkdv_query_blocks' step."""
         STAGES_: gl.constexpr = q_bufs.shape[0]
         ROWS: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         offs_m = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
         s_idx = i % STAGES_
         mbarrier.wait(ready.index(s_idx), (i // STAGES_) & 1)
-        lse = lse_bufs.index(s_idx).reshape([ROWS]).load(gl.SliceLayout(0, s_layout)) * 1.4426950408889634
+        lse = lse_bufs.index(s_idx).reshape([ROWS]).load(gl.SliceLayout(0, s_layout)) * LOG2E
         delta = delta_bufs.index(s_idx).reshape([ROWS]).load(gl.SliceLayout(0, s_layout))
         q = q_bufs.index(s_idx).reshape([ROWS, HEAD_DIM])
         do = do_bufs.index(s_idx).reshape([ROWS, HEAD_DIM])
@@ -387,7 +394,7 @@ if HAVE_GLUON:
         """A compute warpgroup: dK and dV of keys n0 + HALF * 64 .. + 63, summed over the program's query
         heads h_lo .. h_hi - 1 and their live query blocks (masked head, full middle, masked tail), then
         stored: in DK and DV, or (``slot`` >= 0) as float32 partials in that workspace slot, where the key
-        block's heads are shared out (attention.DkdvShares)."""
+        block's heads are shared out (schedule.DkdvShares)."""
         ROWS: gl.constexpr = q_bufs.shape[3]
         HEAD_DIM: gl.constexpr = q_bufs.shape[4]
         KEYS: gl.constexpr = k_bufs.shape[3]
@@ -432,7 +439,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _key_block_query_blocks(END, n0, Tq, Tk, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
         """The query blocks of ROWS that keys n0 .. n0 + BLOCK_N - 1 walk in dK/dV: (m_lo, m_full_lo,
-        m_full_hi, m_hi), the middle ones full, every (query, key) pair visible (attention's dK/dV kernel)."""
+        m_full_hi, m_hi), the middle ones full, every (query, key) pair visible (the Triton dK/dV kernel)."""
         q_offset = Tk - Tq
         key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
@@ -458,7 +465,7 @@ if HAVE_GLUON:
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N_: gl.constexpr = 2 * ROWS
         # the program's (batch, K/V head, key block, share of the query heads), longest first (as
-        # tree_attention_bwd_dkdv_kernel); a key block is a share unit (attention.DkdvShares), so the
+        # tree_attention_bwd_dkdv_kernel); a key block is a share unit (schedule.DkdvShares), so the
         # ORDER row is the unit
         pid = gl.program_id(0)
         split = pid % SPLITS
@@ -535,7 +542,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_block(i, dq, q, do, lse, delta, k_bufs, v_bufs, ready, empty, n, pos_m, END, Tk, qk_scale,
                   MASKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        """Key block n, the i-th of the row: attention._dq_step with its scores."""
+        """Key block n, the i-th of the row: kernels._dq_step with its scores."""
         STAGES_: gl.constexpr = k_bufs.shape[0]
         BLOCK_N_: gl.constexpr = k_bufs.shape[3]
         HEAD_DIM: gl.constexpr = k_bufs.shape[4]
@@ -573,7 +580,7 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         offs_m = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         pos_m = Tk - Tq + offs_m
-        lse = gl.load(LSE + lse_base + offs_m, mask=offs_m < Tq, other=0.0) * 1.4426950408889634
+        lse = gl.load(LSE + lse_base + offs_m, mask=offs_m < Tq, other=0.0) * LOG2E
         delta = gl.load(DELTA + lse_base + offs_m, mask=offs_m < Tq, other=0.0)
         dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         mbarrier.wait(q_bar, 0)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from dta_ref.adapter import adapt
-from dta_ref.logprobs import _packed_hidden as reference_packed_hidden
-from dta_ref.logprobs import check_temperature
+from dta_ref.checks import check_temperature
 from dta_ref.losses import TokenLoss
 from dta_ref.padded import PaddedLayout
 
-from .logprobs import _packed_hidden, gather_logprobs_chunked
+from .logprobs import gather_logprobs_chunked, packed_hidden
 from .tree import build_tree
 
 
@@ -37,8 +35,6 @@ def block_logprobs_and_entropy(
         )
     tree = build_tree(layout.sequences(input_ids))
     wanted = layout.to_tree(block, first_column, fill=False)
-    # the kernel on CUDA; elsewhere the reference attention (trainers on CPU are tests and small runs)
-    packed_hidden = _packed_hidden if adapt(model).device.type == "cuda" else reference_packed_hidden
     hidden, head, tree = packed_hidden(model, tree)
     out = gather_logprobs_chunked(
         hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head

@@ -1,0 +1,409 @@
+"""``tree_attention``: the autograd Function over the kernels, their launchers and the block shapes.
+
+Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16, float32 (dot products in
+ieee float32); no dropout, no softcap, no sliding window. Building a schedule needs no host sync;
+checking a ``subtree_end`` (what ``tree_attention`` does when given one) syncs once per tensor: build
+the schedule once with ``build_schedule`` and pass it to every layer. A query that sees a non-finite
+value row gets NaN where plain attention might give inf. A row's running maximum starts at -1e30, not
+-inf (a row may see no key of a block): a query whose every scaled score (scale * q.k, in float32) is
+below about -1e29 gets 0 and a wrong LSE.
+
+Isolation (docs/prefix_tree.md): the forward runs on V with its non-finite rows zeroed and sets the
+output of the queries that see such a row to NaN; the backward passes Q, K and dO with their non-finite
+rows zeroed and lets the LSE carry their NaN. Its cost is one fused read and write of V and of K, and
+of Q in the backward's preprocess pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dta_ref.attention import autocast_inputs, refuse_create_graph
+from dta_ref.checks import check_scale
+
+from . import hopper
+from .interpreter import INTERPRET
+from .kernels import (
+    LOG2E,
+    dkdv_shares_sum_kernel,
+    finite_rows_kernel,
+    queries_seeing_kernel,
+    size_class,
+    tree_attention_bwd_dkdv_kernel,
+    tree_attention_bwd_dq_kernel,
+    tree_attention_bwd_preprocess_kernel,
+    tree_attention_fwd_kernel,
+)
+from .schedule import DkdvShares, TreeSchedule, build_schedule, cdiv
+
+# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, from benchmarks/tune_attention.py and
+# compare_attention.py on H100. Head dims 65..128, since the loops over full blocks carry no mask code:
+# forward 128 x 128 is 5-12% faster than 128 x 64; dK/dV 64 x 128 (8 warps) is 1-7% faster than 32 x 64
+# on every tree measured but the 64-rollout GRPO one (1-7% slower) (docs/benchmarks.md)
+BLOCKS = {"fwd": (128, 128), "dkdv": (64, 128), "dq": (64, 64)}  # head dim 65..128
+BLOCKS_FLOAT32 = {"fwd": (128, 64), "dkdv": (32, 64), "dq": (64, 64)}  # the same in float32 (shared memory)
+BLOCKS_SMALL_HEAD = {"fwd": (128, 128), "dkdv": (64, 64), "dq": (64, 128)}  # head dim <= 64
+BLOCKS_LARGE_HEAD = {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32)}  # head dim > 128
+BLOCKS_INTERPRET = {"fwd": (16, 16), "dkdv": (16, 16), "dq": (16, 16)}
+
+
+def block_table(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The (BLOCK_M, BLOCK_N) table the kernels use at this head dim and dtype."""
+    if INTERPRET:
+        return BLOCKS_INTERPRET
+    if head_dim <= 64:
+        return BLOCKS_SMALL_HEAD
+    if head_dim <= 128:
+        return BLOCKS if dtype.itemsize <= 2 else BLOCKS_FLOAT32
+    return BLOCKS_LARGE_HEAD
+
+
+def _blocks(kernel: str, x: torch.Tensor):
+    return block_table(x.shape[-1], x.dtype)[kernel]
+
+
+
+
+def _block_d(head_dim: int) -> int:
+    """Head-dim tile: a power of two, and at least 16 (the smallest tl.dot reduction)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+_CHOSEN_CONFIGS: dict = {}  # (kernel, head dim, blocks, size class, dtype) -> the autotuner's choice
+
+
+def _launch_tuned(kernel, grid, args, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dtype, **constexprs):
+    """``kernel[grid](*args, SIZE_CLASS, ...)`` for an autotuned kernel, with the config its autotuner
+    chose for this key but without the autotuner's per-call Python, which rebuilds a dict of every
+    argument and the dtype name of every tensor on each call (about 75 us on an H100 host, a third of a
+    small call's host cost). The key is the autotuner's: its key arguments and the inputs' dtype (the
+    other tensors' dtypes are fixed). A key's first call goes through the autotuner, which benchmarks."""
+    key = (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, SIZE_CLASS, dtype, constexprs.get("USE_TMA"))
+    config = _CHOSEN_CONFIGS.get(key)
+    constexprs.update(HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if config is None:
+        kernel[grid](*args, SIZE_CLASS, **constexprs)
+        _CHOSEN_CONFIGS[key] = kernel.best_config
+    else:
+        kernel.fn.run(*args, SIZE_CLASS, grid=grid, warmup=False, **constexprs, **config.all_kwargs())
+
+
+def _batch_strides(end, num_m_blocks):
+    """Batch strides of subtree_end and of the block-list rows: 0 when one tree serves the whole batch."""
+    return (end.stride(0), num_m_blocks) if end.shape[0] > 1 else (0, 0)
+
+
+def _strides(x):
+    return x.stride()[:3]
+
+
+def _forward(q, k, v, schedule, sm_scale):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    BM, BN = _blocks("fwd", q)
+    lists = schedule.block_lists(BM, BN)
+    end = schedule.subtree_end
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
+    num_m_blocks = cdiv(Tq, BM)
+    # p = 0 times a non-finite value row is NaN: the kernel sees such rows zeroed, and the queries that
+    # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
+    v_finite, v_bad = _finite_rows(v)
+    sees_bad = queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
+    if (BM, BN) == (hopper.BLOCK_M, hopper.BLOCK_N) and hopper.applies(q, k, v_finite):
+        hopper.forward(q, k, v_finite, o, lse, end, lists, sees_bad, sm_scale * LOG2E.value,
+                                 _batch_strides(end, num_m_blocks))  # fmt: skip
+        return o, lse, v_finite
+    k_desc, v_desc = _tma_descriptors(k, v_finite, BN, Tq)
+    args = (
+        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, lists.run, sees_bad,
+        k if k_desc is None else k_desc, v_finite if v_desc is None else v_desc,
+        sm_scale * LOG2E.value,
+        *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
+        Hq, Hq // Hkv, Tq, Tk,
+    )  # fmt: skip
+    _launch_tuned(tree_attention_fwd_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, size_class(Tq), q.dtype,
+                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=k_desc is not None)  # fmt: skip
+    return o, lse, v_finite
+
+
+def _tma_descriptors(k, v, BLOCK_N, Tq):
+    """TMA descriptors of K and V [B, Hkv, Tk, D] for the forward's full key blocks, or (None, None) where
+    they do not apply: before Hopper, under the interpreter, a head dim that is not its own tile, rows or
+    strides not 16-byte aligned, or a call of under 64 queries (a decode step, whose cost is its host
+    time, to which each descriptor adds about 3 us of Python)."""
+    D = k.shape[-1]
+    if INTERPRET or Tq < 64 or D != _block_d(D) or not _has_tma(k.device):
+        return None, None
+    for x in (k, v):
+        if x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:3]):
+            return None, None
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK_N, D]) for x in (k, v))
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _finite_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, T, D] with its non-finite rows zeroed (a contiguous copy), and [B, H, T] int8 flags of those rows."""
+    B, H, T, D = x.shape
+    x_finite = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
+    bad = torch.empty(B, H, T, device=x.device, dtype=torch.int8)
+    BLOCK_T = 16 if INTERPRET else 64
+    finite_rows_kernel[(cdiv(T, BLOCK_T), B * H)](
+        x, x_finite, bad, *_strides(x), H, T, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
+    )  # fmt: skip
+    return x_finite, bad
+
+
+def queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> torch.Tensor:
+    """[B, H, Tq] int8: 1 for the queries that see at least one key flagged in ``keys`` [B, H, Tk] int8."""
+    B, H, Tk = keys.shape
+    sees = torch.empty(B, H, Tq, dtype=torch.int8, device=keys.device)
+    queries_seeing_kernel[(B * H,)](
+        keys, subtree_end, sees, _batch_strides(subtree_end, 0)[0], H, Tq, Tk, BLOCK_T=16 if INTERPRET else 1024,
+    )  # fmt: skip
+    return sees
+
+
+def _backward(do, q, k, v, o, lse, schedule, sm_scale):
+    """v is the forward's V with its non-finite rows zeroed.
+
+    Isolation without touching the kernels' loops: every operand row that a tile product multiplies
+    by a masked (zero) probability is finite, zeroed first where it was not, and the rows it belongs
+    to carry their NaN through the LSE instead (the forward's for Q and K, the preprocess's for dO).
+    """
+    delta, lse_bwd, do_finite, q_finite = _backward_preprocess(o, do, q, lse)
+    dk, dv = _backward_dkdv(do_finite, q_finite, k, v, lse_bwd, delta, schedule, sm_scale)
+    del q_finite, do_finite
+    k_finite = _finite_rows(k)[0]
+    dq = _backward_dq(do, q, k_finite, v, lse_bwd, delta, schedule, sm_scale)
+    return dq, dk, dv
+
+
+def _backward_preprocess(o, do, q, lse):
+    B, Hq, Tq, D = o.shape
+    # delta and the LSE in rows of a multiple of 4 floats, 16 bytes, so TMA can read them (Hopper dK/dV)
+    delta, lse_bwd = torch.empty(2, B, Hq, -(-Tq // 4) * 4, device=o.device, dtype=torch.float32)[..., :Tq]
+    do_finite = torch.empty_like(do)
+    q_finite = torch.empty(B, Hq, Tq, D, device=q.device, dtype=q.dtype)
+    BLOCK_T = 16 if INTERPRET else 128
+    tree_attention_bwd_preprocess_kernel[(cdiv(Tq, BLOCK_T), B * Hq)](
+        o, do, q, lse, delta, lse_bwd, do_finite, q_finite,
+        *_strides(o), *_strides(do), *_strides(q), *_strides(do_finite), Hq, Tq, delta.stride(1),
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
+    )  # fmt: skip
+    return delta, lse_bwd, do_finite, q_finite
+
+
+def _stride_rows(lse, delta):
+    """The one stride of the backward's LSE and delta rows, [B, Hq, Tq] (``_backward_preprocess``)."""
+    assert lse.stride() == delta.stride() and lse.stride(0) == lse.shape[1] * lse.stride(1), "lse and delta rows"
+    return delta.stride(1)
+
+
+def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    BM, BN = _blocks("dkdv", q)
+    end = schedule.subtree_end
+    heads_per_row = B // max(end.shape[0], 1) * Hkv  # an empty batch may bring an empty [0, Tk] tree
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    shares = schedule.dkdv_shares(heads_per_row, Hq // Hkv, D)
+    workspace = shares.workspace(D, q.device)
+    assert shares.unit % BN == 0, "a dK/dV program's keys lie in one share unit"
+    if hopper.applies(q, k, v, do):
+        order = schedule.key_block_order(hopper.DKDV_BLOCK_M, hopper.DKDV_BLOCK_N)
+        hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, sm_scale * LOG2E.value, sm_scale,
+                                       _batch_strides(end, 0)[0], heads_per_row, shares, workspace)  # fmt: skip
+    else:
+        order = schedule.key_block_order(BM, BN)
+        args = (
+            q, k, v, do, lse, delta, dk, dv, end, order, shares.shares, shares.first, workspace,
+            sm_scale * LOG2E.value, sm_scale,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+            _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), shares.max_shares,
+            Hq, Hkv, Hq // Hkv, Tq, Tk,
+        )  # fmt: skip
+        _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row * shares.max_shares,), args, D,
+                      BM, BN, size_class(Tq), q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype),
+                      UNIT=shares.unit)  # fmt: skip
+    if shares.max_shares > 1:
+        _sum_dkdv_shares(workspace, shares, dk, dv, heads_per_row)
+    return dk, dv
+
+
+def _sum_dkdv_shares(workspace, shares: DkdvShares, dk, dv, heads_per_row):
+    """dk, dv [B, Hkv, Tk, D] of the split units, from their shares' partials in ``workspace``."""
+    _, Hkv, Tk, D = dk.shape
+    dkdv_shares_sum_kernel[(shares.shares.numel(), heads_per_row)](
+        workspace, shares.shares, shares.first, dk, dv, *_strides(dk), *_strides(dv), heads_per_row, Hkv,
+        cdiv(Tk, shares.unit), Tk, HEAD_DIM=D, BLOCK_D=_block_d(D), UNIT=shares.unit,
+        BLOCK_T=16 if INTERPRET else 32,
+    )  # fmt: skip
+
+
+
+
+def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    BM, BN = _blocks("dq", q)
+    end = schedule.subtree_end
+    lists = schedule.block_lists(BM, BN)
+    num_m_blocks = cdiv(Tq, BM)
+    dq = torch.empty_like(q)
+    if (BM, BN) == (hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N) and hopper.applies(q, k, v, do):
+        hopper.backward_dq(q, k, v, do, lse, delta, dq, end, lists, sm_scale * LOG2E.value, sm_scale,
+                                     _batch_strides(end, num_m_blocks))  # fmt: skip
+        return dq
+    args = (
+        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run,
+        sm_scale * LOG2E.value, sm_scale,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        *_batch_strides(end, num_m_blocks), lists.num_key_blocks, _stride_rows(lse, delta), Hq, Hq // Hkv, Tq, Tk,
+    )  # fmt: skip
+    _launch_tuned(tree_attention_bwd_dq_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, size_class(Tq), q.dtype,
+                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
+    return dq
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TreeAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, schedule, sm_scale):
+        o, lse, v_finite = _forward(q, k, v, schedule, sm_scale)
+        ctx.save_for_backward(q, k, v_finite, o, lse)
+        ctx.schedule, ctx.sm_scale = schedule, sm_scale
+        ctx.mark_non_differentiable(lse)
+        # the LSE has no gradient to give: spare autograd a zero-filled one in every backward (a launch
+        # and an allocation, ~10% of a small call's host cost)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        refuse_create_graph("tree_attention")  # a second derivative would need kernels of its own
+        if do is None:  # the output reached no loss
+            return None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(_last_dim_contiguous(do), q, k, v, o, lse, ctx.schedule, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, T, D], got shape {tuple(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; tree_attention supports float16, bfloat16 and float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"tree_attention needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for name, x in (("q", q), ("k", k)):
+        if 0 in x.shape[1:]:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}: heads, tokens and head dim must be at least 1")
+    B, Hq, Tq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch or head dim")
+    if Hq % k.shape[1] != 0:
+        raise ValueError(f"number of query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    if Tq > k.shape[2]:
+        raise ValueError(f"more queries ({Tq}) than keys ({k.shape[2]}): queries are the last Tq key positions")
+    if Tq == 0:
+        raise ValueError("no queries: Tq must be at least 1")
+    if D > 256:
+        raise ValueError(f"head dim {D} is not supported (at most 256)")
+
+
+# CUDA takes at most 65535 programs on a grid's second axis, which the kernels give to batch x heads (and
+# the schedule's to batch rows): a batch with more rows than that is run in slices
+MAX_GRID_ROWS = 65535
+SCALE_LIMIT = 1e38  # the kernels take scale * log2(e) as a float32
+
+
+def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSchedule | None = None, return_lse=False):
+    """Tree attention: the query at key position i attends key j iff j <= i < subtree_end[j].
+
+    q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D] (GQA when Hq is a multiple of Hkv);
+    subtree_end [Tk] or [B, Tk] int. The queries are the last Tq key positions
+    (Tq < Tk: the first Tk - Tq keys are a cached prefix). Pass a ``schedule``
+    from :func:`build_schedule` instead of ``subtree_end`` to reuse it across
+    layers. Returns the output [B, Hq, Tq, D] (and the float32 natural-log
+    LSE [B, Hq, Tq] with ``return_lse=True``, which carries no gradient).
+    Differentiable in q, k, v, once (``create_graph=True`` raises). Under
+    autocast, q, k and v are first cast to its dtype, as SDPA's are.
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    _check_inputs(q, k, v)
+    B, Hq, Tq, D = q.shape
+    Tk = k.shape[2]
+    if schedule is None:
+        if subtree_end is None:
+            raise ValueError("tree_attention needs subtree_end (or a schedule)")
+        if not isinstance(subtree_end, torch.Tensor):
+            raise TypeError(f"subtree_end must be an integer tensor [Tk] or [B, Tk], got {type(subtree_end).__name__}")
+        if subtree_end.shape[-1:] != (Tk,):
+            raise ValueError(f"subtree_end has shape {tuple(subtree_end.shape)}, but k has {Tk} keys")
+        schedule = build_schedule(subtree_end.to(q.device), Tq)
+    elif subtree_end is not None:
+        raise ValueError("pass either subtree_end or schedule, not both")
+    elif not isinstance(schedule, TreeSchedule):
+        raise TypeError(f"schedule must be a TreeSchedule (from build_schedule), got {type(schedule).__name__}")
+    if schedule.num_keys != Tk or schedule.num_queries != Tq:
+        raise ValueError(
+            f"tree metadata covers {schedule.num_keys} keys / {schedule.num_queries} queries, "
+            f"but k has {Tk} keys and q has {Tq} queries"
+        )
+    if schedule.subtree_end.shape[0] not in (1, B):
+        raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
+    if schedule.subtree_end.device != q.device:
+        raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
+    step = max(MAX_GRID_ROWS // Hq, 1)
+    if B > step:  # a rollout's large batch of short rows: the kernels run on slices of it
+        slices = [tree_attention(q[b : b + step], k[b : b + step], v[b : b + step], scale=scale,
+                                 schedule=schedule.rows(b, b + step), return_lse=return_lse)
+                  for b in range(0, B, step)]  # fmt: skip
+        if return_lse:
+            return torch.cat([o for o, _ in slices]), torch.cat([lse for _, lse in slices])
+        return torch.cat(slices)
+    sm_scale = 1.0 / math.sqrt(D) if scale is None else check_scale(scale, SCALE_LIMIT)
+    if sm_scale < 0:  # the kernels want a scale of at least 0 (_softmax_step): softmax(c q.k) = softmax(-c (-q).k)
+        q, sm_scale = -q, -sm_scale
+    if INTERPRET and q.dtype == torch.bfloat16:
+        # the Triton interpreter's bfloat16 tl.dot is wrong (by up to ~1e9, Triton 3.6 to 3.9): float32
+        # kernels there, bfloat16 out; autograd casts the gradients back
+        with torch.autocast(q.device.type, enabled=False):  # else autocast would cast them back
+            out = tree_attention(q.float(), k.float(), v.float(), scale=sm_scale, schedule=schedule,
+                                 return_lse=return_lse)  # fmt: skip
+        return (out[0].to(q.dtype), out[1]) if return_lse else out.to(q.dtype)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)
+    else:  # nothing to differentiate (a rollout step): spare the autograd Function's host cost
+        o, lse, _ = _forward(q, k, v, schedule, sm_scale)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,210 @@
+"""The memory model of a chunked step: what a plan keeps alive at its worst moment, from the model's
+shape (docs/chunked_execution.md, "Memory budget and the automatic default")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dta_ref.adapter import adapt
+from dta_ref.checks import check_flag, check_int, check_tree
+from dta_ref.logprobs import logprob_dtype
+from dta_ref.tree import PrefixTree
+
+from ..logprobs import head_weight, window_rows
+from .options import checked_options
+from .plan import ChunkPlan, plan_chunks
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What a step keeps alive beyond the weights and their gradients: bytes per token from the model's
+    shape, and the vocabulary head's transients (docs/chunked_execution.md, "Memory budget")."""
+
+    activation: int  # what autograd saves per chunk token, all layers
+    kv: int  # one token's K/V, all layers
+    kv_grad: int  # its gradient accumulators (at least float32)
+    head_row: int  # the head's backward, per row of its logits window
+    head_weight: int  # ... and beside the window: the weight-sized gradient the windows add into
+    logits_rows: int  # rows of the default window (a plan may run a smaller one)
+    closing: int  # the end of a chunk's backward: the embedding's weight-sized gradients
+    new_grads: int = 0  # parameter gradients the step creates: none exists yet when its first backward starts
+    # with every layer under activation checkpointing (docs/chunked_execution.md, "Checkpointed layers"):
+    checkpointed: int = 0  # what a chunk's graph keeps per token: each layer's input
+    layer: int = 0  # one layer's activations and backward temporaries per token, while its backward recomputes it
+    layer_kv: int = 0  # one layer's K/V per token: its copies for attention live as long
+    model_checkpoints: bool = False  # the model checkpoints every layer itself (plans can only be so)
+
+    @classmethod
+    def of(cls, model) -> "MemoryModel":
+        adapter = adapt(model)
+        shape, weight = adapter.shape, head_weight(adapter.head)
+        vocab, w = weight.shape[0], weight.element_size()
+        W = weight.numel() * w
+        z = torch.finfo(logprob_dtype(weight.dtype)).bits // 8
+        # a window's backward: its float32 gradient, formed in place of its log-probabilities, and the
+        # gradient's cast (z + w per logit), beside the one buffer the windows' weight gradients are
+        # summed into (W)
+        cast = w if w != z else 0
+        kv, size = shape.layers * 2 * shape.kv_heads * shape.head_dim, shape.bytes_per_element
+        layer, trunk, own = _layer_bytes_per_token(shape), _trunk_bytes_per_token(shape), adapter.checkpointed_layers
+        checkpointed = shape.layers * shape.hidden * size + trunk + 2 * shape.head_dim * size  # + RoPE's cos, sin
+        return cls(
+            # 2% over the closed form: autograd saved 0.2-1.6% more at six measured shapes
+            activation=((shape.layers - own) * layer + own * shape.hidden * size + trunk) * 51 // 50,
+            kv=kv * size,
+            kv_grad=kv * max(size, 4),
+            head_row=(z + cast) * vocab,
+            head_weight=W,
+            logits_rows=window_rows(vocab),
+            closing=2 * W,
+            new_grads=unset_grad_bytes(model),
+            checkpointed=checkpointed * 51 // 50,
+            # ... and its backward's temporaries: about three MLP-intermediate-sized gradients
+            layer=(layer + 3 * shape.intermediate * size) * 51 // 50,
+            layer_kv=kv * size // shape.layers,
+            model_checkpoints=own == shape.layers,
+        )
+
+    def head(self, logits_rows: int | None = None) -> int:
+        """The head's backward with a full window of ``logits_rows`` rows (None: the default)."""
+        return self.head_row * (logits_rows or self.logits_rows) + self.head_weight
+
+    def step_bytes(self, plan: ChunkPlan) -> int:
+        """The largest, over chunks, of what is alive when the chunk's backward starts (the head's) or ends.
+
+        Its graph holds its K/V copies: the concatenation of prefix and own K/V and the copy of its
+        value rows that isolation makes (P + L tokens). With recompute, the graph is the running
+        chunk's, and a chunk that stays open holds its own K/V twice (from its first forward, and in
+        the recomputed graph); without, every open chunk keeps its graph. The head's window holds at
+        most the chunk's rows.
+        """
+        if plan.num_chunks == 0:
+            return self.head_weight
+        L, P = plan.lengths, plan.prefix_tokens
+        head = self.head_row * np.minimum(L, plan.logits_rows or self.logits_rows) + self.head_weight
+        if plan.checkpoint_layers:
+            # the graphs keep each layer's input. After the head's backward, a layer's activations and
+            # K/V copies (P + L tokens) live while its backward recomputes it, beside the head's
+            # weight-sized gradient (held until the tied embedding's joins it, or the embedding's own
+            # comes). In the step's first backward the parameter gradients appear layer by layer: at
+            # the last layer most exist and most inputs are gone, so the inputs count only where they
+            # outweigh the gradients still missing.
+            inputs = self.checkpointed * (L if plan.recompute else plan.held)
+            heads = inputs + head
+            layers = inputs + self.head_weight
+            heads[plan.first_close] -= self.new_grads
+            layers[plan.first_close] = max(layers[plan.first_close] - self.new_grads, 0)
+            alive = self.kv * plan.held + np.maximum(heads, layers + self.layer * L + self.layer_kv * (P + L))
+        elif plan.recompute:
+            alive = self.activation * L + self.kv * (plan.held - L * plan.keeps_graph + P + L)
+        else:
+            alive = self.activation * plan.held + self.kv * (plan.held + plan.saved)
+        if not plan.checkpoint_layers:
+            alive = alive + head
+            alive[plan.first_close] -= self.new_grads
+        alive = alive + self.kv_grad * plan.graded
+        # the end of its backward: the open chunks' K/V, the accumulators it filled (those of every open
+        # chunk under it, when it has a prefix) or found, and the embedding's gradients
+        graded = np.where(P > 0, np.maximum(plan.graded, plan.held - L), plan.graded)
+        ending = self.kv * plan.held + self.kv_grad * graded + self.closing
+        return int(max(alive.max(), ending.max()))
+
+    def floor_bytes(
+        self, path: int, recompute: bool, logits_rows: int | None = None, checkpoint_layers: bool = False
+    ) -> int:
+        """A lower bound on :meth:`step_bytes` over every chunk size, for a forest whose longest path
+        holds ``path`` tokens (docs/chunked_execution.md, "Choosing the chunk size").
+
+        When the chunk (L tokens) of a deepest token closes, the P ancestors of its first token are in
+        open chunks and P >= path - L, so ``held`` >= P + L >= path. With recompute what is alive is
+        then at least activation L + kv (2 path - L) with the head's window of min(L, rows) rows,
+        concave in L in [1, path], so least at an end; without, (activation + kv) path and a window of
+        at least one row; with checkpointed layers, at least one token's layer inputs, kv path and one
+        row. Less the gradients not yet created, if it closes first; and the end of its backward holds
+        kv path.
+        """
+        if path == 0:
+            return self.head_weight
+        rows = logits_rows or self.logits_rows
+        one_row = self.activation + self.kv * (2 * path - 1) + self.head_row
+        if checkpoint_layers:
+            start = self.checkpointed + self.kv * path + self.head_row
+        elif recompute:
+            start = min(one_row, (self.activation + self.kv) * path + self.head_row * min(path, rows))
+        else:
+            start = (self.activation + self.kv) * path + self.head_row
+        return max(start + self.head_weight - self.new_grads, self.kv * path + self.closing)
+
+
+def unset_grad_bytes(model) -> int:
+    """Bytes of the parameter gradients a step will create: those that train and are still unset."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+def activation_bytes_per_token(model) -> int:
+    """Estimated bytes autograd saves per packed token for one forward + backward (all layers, none of
+    them checkpointed)."""
+    shape = adapt(model).shape
+    return shape.layers * _layer_bytes_per_token(shape) + _trunk_bytes_per_token(shape)
+
+
+def _layer_bytes_per_token(shape) -> int:
+    """What autograd saves per token in one decoder layer: two RMSNorms over the hidden size (each a
+    float32 copy of its input and its output), the inputs of the attention and MLP projections, the
+    queries and attention output, the chunk's own K/V, four MLP intermediates, and the query/key norms'
+    float32 copies where the model has them (Qwen3)."""
+    hidden, size = shape.hidden, shape.bytes_per_element
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
+    if shape.qk_norm:
+        per_layer += (q + kv) * (4 + size)
+    return per_layer
+
+
+def _trunk_bytes_per_token(shape) -> int:
+    """... and outside the layers (the final norm)."""
+    return 4 * shape.hidden * shape.bytes_per_element
+
+
+
+def estimated_step_bytes(
+    model, tree: PrefixTree, chunk_tokens: int, recompute: bool = True, checkpoint_layers: bool | None = None
+) -> int:
+    """Estimated activation memory of tree_backward with chunks of ``chunk_tokens``.
+
+    Counts what the step allocates beyond the model's parameters, their
+    gradients and optimizer state: the vocabulary head's backward, the K/V of
+    every open chunk with the gradient accumulators its descendants filled,
+    and what autograd saves: with ``recompute``, the running chunk's
+    activations and K/V copies; without, those of every open chunk. Taken at
+    the plan's worst moment. Gradients still unset (``None``) on the model
+    are counted only from the end of the step's first backward, as the step
+    creates them then. ``checkpoint_layers``: every layer under activation
+    checkpointing (None: as the model runs them; layers it checkpoints itself
+    through Hugging Face's ``gradient_checkpointing_enable()`` are counted so).
+    benchmarks/bench_training.py measures the real peak.
+    """
+    check_tree(tree)
+    recompute = check_flag("recompute", recompute)
+    size = check_int("chunk_tokens", chunk_tokens, 1)
+    memory = MemoryModel.of(model)
+    checkpoint_layers = check_checkpoint_layers(checkpoint_layers, memory)
+    return memory.step_bytes(plan_chunks(tree, size, recompute, checkpoint_layers=bool(checkpoint_layers)))
+
+
+def check_checkpoint_layers(checkpoint_layers, memory: MemoryModel) -> bool | None:
+    """None (the plan decides) or a bool; True where the model checkpoints every layer itself: False adds
+    no checkpointing but cannot undo the model's own."""
+    checkpoint_layers = checked_options(checkpoint_layers=checkpoint_layers).checkpoint_layers
+    return True if memory.model_checkpoints else None if checkpoint_layers is None else bool(checkpoint_layers)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """A byte count as people read it: 512 B, 3.25 MiB, 1.500 GiB."""
+    for unit, digits, scale in (("GiB", 3, 2**30), ("MiB", 2, 2**20), ("KiB", 1, 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{digits}f} {unit}"
+    return f"{int(num_bytes)} B"
