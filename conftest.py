@@ -11,7 +11,9 @@ Markers (declared in pyproject.toml):
 - ``gpu``: skipped when torch sees no CUDA device.
 - ``kernel``: runs a Triton kernel; ``torch.empty`` and ``torch.empty_like`` fill floating tensors with
   NaN in these tests, so an output element a kernel forgets to write fails the test.
-- ``slow``: skipped unless DTA_SLOW=1.
+- ``slow``: the long tail, left out of the quick subset ``pytest -m "not slow"``: every Hypothesis
+  property (property_tests/), the multi-process distributed runs and a few large kernel cases.
+- ``large``: larger CPU cases, skipped unless DTA_LARGE=1.
 
 Torch runs single-threaded on the CPU unless DTA_TEST_THREADS says otherwise.
 
@@ -62,18 +64,24 @@ def pytest_report_header(config):
     return f"hypothesis profile: {PROFILE} (max_examples={settings.default.max_examples})"
 
 
+# whole modules of the long tail (``slow``)
+SLOW_PATHS = ("property_tests/", "tests/test_distributed.py")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = None
     if not torch.cuda.is_available():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
-    skip_slow = None
-    if os.environ.get("DTA_SLOW") != "1":
-        skip_slow = pytest.mark.skip(reason="slow test: set DTA_SLOW=1 to run it")
+    skip_large = None
+    if os.environ.get("DTA_LARGE") != "1":
+        skip_large = pytest.mark.skip(reason="large test: set DTA_LARGE=1 to run it")
     for item in items:
+        if item.nodeid.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        if skip_slow is not None and "slow" in item.keywords:
-            item.add_marker(skip_slow)
+        if skip_large is not None and "large" in item.keywords:
+            item.add_marker(skip_large)
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 A loader warp hands one TMA tile to a compute warpgroup through an mbarrier; the kernel touches no shared
 memory but that tile and the barrier. racecheck reports hazards on it all the same, at the lines of the
 kernel's definition and of gl.warp_specialize: Triton's lowering of warp specialisation, which
-dta_fast/attention_hopper.py's kernels show at the same lines. The lowering's hand-off is ordered by
+dta_fast/attention/hopper.py's kernels show at the same lines. The lowering's hand-off is ordered by
 CTA-wide barriers; racecheck misreads it because the default warps also meet at a counted barrier
 (.ci/racecheck_counted_barrier.cu shows that alone in CUDA).
 """
@@ -19,7 +19,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
-from dta_fast.attention_hopper import _tma_load  # noqa: E402
+from dta_fast.attention.hopper import tma_load  # noqa: E402
 
 
 @gluon.jit
@@ -35,7 +35,7 @@ def _compute(buf, bar, OUT):
 @gluon.jit
 def _loader(desc, buf, bar):
     mbarrier.expect(bar, desc.block_type.nbytes)
-    _tma_load(desc, [gl.program_id(0) * 64, 0], bar, buf)
+    tma_load(desc, [gl.program_id(0) * 64, 0], bar, buf)
 
 
 @gluon.jit

@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python3 .ci/sanitize.py
 
 Runs the schedule kernels, the forward and the backward (every kernel of
-dta_fast/attention.py) on random trees: bf16 and float32, GQA, a cached
+dta_fast/attention/kernels.py) on random trees: bf16 and float32, GQA, a cached
 prefix (Tq < Tk), a batch of different trees, head dims 64 and 128, sizes
 that are and are not multiples of the blocks, and a NaN-poisoned row. Checks
 each result against dta_ref's explicit-mask attention so that a run which

@@ -41,7 +41,7 @@ def _new_figure(**kwargs):
     return fig
 
 
-def _label_fn(token_labels):
+def label_fn(token_labels):
     if token_labels is None:
         return str
     if callable(token_labels):
@@ -89,7 +89,7 @@ def draw_tree(tree_or_sequences, path, *, title=None, token_labels=None):
     from matplotlib.colors import ListedColormap
 
     tree = tree.to("cpu")
-    label = _label_fn(token_labels)
+    label = label_fn(token_labels)
     tokens = tree.tokens.tolist()
     depth = tree.position_ids.tolist()
     parent = tree.parent.tolist()

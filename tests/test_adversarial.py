@@ -144,7 +144,7 @@ def _tree_backward(model, impl):
         "reference_tree_logprobs",
         pytest.param("fast_tree_logprobs", marks=pytest.mark.kernel),
         "tree_backward_reference",
-        pytest.param("tree_backward_kernel", marks=pytest.mark.kernel),
+        pytest.param("tree_backward_kernel", marks=[pytest.mark.kernel, pytest.mark.slow]),
     ],
 )
 def test_model_isolation(entry):
@@ -487,11 +487,11 @@ def test_plot_help_writes_no_file(tmp_path, monkeypatch, capsys):
 def test_draw_tree_labels(tmp_path):
     """draw_tree takes its labels as a dict, a list indexed by id or a function, and names anything else."""
     pytest.importorskip("matplotlib")
-    from dta_ref.plot import _label_fn, draw_tree
+    from dta_ref.plot import label_fn, draw_tree
 
-    assert [_label_fn({1: "a"})(t) for t in (1, 2)] == ["a", "2"]
-    assert [_label_fn(["x", "y"])(t) for t in (1, 5)] == ["y", "5"]
-    assert _label_fn(lambda t: t * 10)(3) == "30"
+    assert [label_fn({1: "a"})(t) for t in (1, 2)] == ["a", "2"]
+    assert [label_fn(["x", "y"])(t) for t in (1, 5)] == ["y", "5"]
+    assert label_fn(lambda t: t * 10)(3) == "30"
     for labels in ({1: "a"}, ["x", "y", "z"], lambda t: f"<{t}>"):
         path = draw_tree([[1, 2], [1, 0]], tmp_path / "tree.png", token_labels=labels)
         assert path.stat().st_size > 0

@@ -48,9 +48,9 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
     strides = dict(zip("bht", x.stride()[:3]))
 
     def desc(rows):
-        return H._descriptor(x, [1, 1, rows, head_dim], gl_dtype)
+        return H.descriptor(x, [1, 1, rows, head_dim], gl_dtype)
 
-    rows = H._descriptor(torch.empty(2, 4, 1000), [1, 1, H.DKDV_BLOCK_M], gl.float32)  # the backward's LSE, delta
+    rows = H.descriptor(torch.empty(2, 4, 1000), [1, 1, H.DKDV_BLOCK_M], gl.float32)  # the backward's LSE, delta
 
     scalars = dict(Hq=4, GROUP=1, Tq=1000, Tk=1000, qk_scale=0.1, stride_eb=0)
     lists = dict(KV_COUNT=ints, KV_FULL=ints, KV_IDX=ints, KV_RUN=ints, stride_kv_b=0, NK=8)
@@ -81,6 +81,7 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
 
 
 @pytest.mark.kernel
+@pytest.mark.slow
 def test_compiles_for_hopper():
     """In a process of its own: Triton's interpreter (the CPU suite's mode) replaces the jit functions
     Gluon's reductions are built from, so the compiler cannot run beside it."""
@@ -122,7 +123,7 @@ def test_descriptor_layouts_are_each_blocks_default():
     x = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     for block in ([1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 64, 64]):
         for dtype in (gl.bfloat16, gl.float16, gl.bfloat16):  # the second bfloat16 call reads the cache
-            layout = attention_hopper._descriptor(x, block, dtype).layout
+            layout = attention_hopper.descriptor(x, block, dtype).layout
             assert layout == gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 

@@ -114,6 +114,7 @@ def test_hf_models(family, chunk):
 
 
 @pytest.mark.kernel
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [None, 5, 23])
 def test_kernel_path_float32(chunk):
     """The Triton kernel with a cached prefix (Tq < Tk) inside the engine."""

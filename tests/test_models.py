@@ -282,6 +282,7 @@ def test_torch_compiled_model():
     assert_matches_each_rollout_alone(compiled, model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile_, fullgraph", [("torch.compile", True), ("Module.compile", False)])
 def test_layers_compiled_one_by_one(compile_, fullgraph):
     """Layers the user compiled one by one (the whole model's compile is unwrapped instead): the attention

@@ -369,7 +369,7 @@ def test_medium_batch():
     assert sum(part.flat_tokens) == sum(len(s) for s in sequences)
 
 
-@pytest.mark.slow
+@pytest.mark.large
 def test_large_batch():
     sequences = dta_ref.agentic_batch(num_tasks=16, rollouts_per_task=16, turns=8)  # 2048 samples, ~850K unique
     part = partition(sequences, 64)

@@ -285,6 +285,7 @@ def test_dkdv_shares_match_one_program_per_group(Tq, monkeypatch):
         assert torch.equal(b, c), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dkdv_shares_on_a_prompt_and_short_branches(dtype, monkeypatch):
     """Units of 64 keys and 4 SMs, on any device: the prompt's units split over programs, the branches'

@@ -40,10 +40,8 @@ from .kernels import (
 )
 from .schedule import DkdvShares, TreeSchedule, build_schedule, cdiv
 
-# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, from benchmarks/tune_attention.py and
-# compare_attention.py on H100. Head dims 65..128, since the loops over full blocks carry no mask code:
-# forward 128 x 128 is 5-12% faster than 128 x 64; dK/dV 64 x 128 (8 warps) is 1-7% faster than 32 x 64
-# on every tree measured but the 64-rollout GRPO one (1-7% slower) (docs/benchmarks.md)
+# (BLOCK_M, BLOCK_N) per kernel: queries x keys per program step, the fastest tiles on H100 and H200
+# (docs/design_notes.md, "The schedule")
 BLOCKS = {"fwd": (128, 128), "dkdv": (64, 128), "dq": (64, 64)}  # head dim 65..128
 BLOCKS_FLOAT32 = {"fwd": (128, 64), "dkdv": (32, 64), "dq": (64, 64)}  # the same in float32 (shared memory)
 BLOCKS_SMALL_HEAD = {"fwd": (128, 128), "dkdv": (64, 64), "dq": (64, 128)}  # head dim <= 64

@@ -50,7 +50,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # Triton 3.6 names the TMA load async_copy_global_to_shared, later releases async_load (same arguments)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     from .kernels import LOG2E
 
     HAVE_GLUON = True
@@ -91,8 +91,8 @@ def forward(q, k, v, o, lse, end, lists, sees_bad, qk_scale, batch_strides):
     Hkv, Tk = k.shape[1], k.shape[2]
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_block, kv_block = [1, 1, BLOCK_M // 2, D], [1, 1, BLOCK_N, D]
-    q_desc = _descriptor(q, q_block, dtype)
-    k_desc, v_desc = _descriptor(k, kv_block, dtype), _descriptor(v, kv_block, dtype)
+    q_desc = descriptor(q, q_block, dtype)
+    k_desc, v_desc = descriptor(k, kv_block, dtype), descriptor(v, kv_block, dtype)
     num_m_blocks = -(-Tq // BLOCK_M)
     # 4 warps here and 4 + 1 in the workers, rounded to 12; 168 registers each is the 64K of an SM,
     # which the partitions then split 240 / 240 / 24
@@ -106,7 +106,7 @@ def forward(q, k, v, o, lse, end, lists, sees_bad, qk_scale, batch_strides):
 _LAYOUTS: dict = {}  # (block, dtype) -> its shared-memory layout: 7 of a descriptor's 10 us, computed once
 
 
-def _descriptor(x, block, dtype):
+def descriptor(x, block, dtype):
     key = (tuple(block), dtype)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = (gl.NVMMASharedLayout.get_default_for(block, dtype) if len(block) == 4 else  # tiles
@@ -154,8 +154,8 @@ if HAVE_GLUON:
         s = i % STAGES_
         mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)  # a fresh barrier passes phase 1
         mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, hk, n * BLOCK_N_, 0], ready.index(s), k_bufs.index(s))
-        _tma_load(v_desc, [b, hk, n * BLOCK_N_, 0], ready.index(s), v_bufs.index(s))
+        tma_load(k_desc, [b, hk, n * BLOCK_N_, 0], ready.index(s), k_bufs.index(s))
+        tma_load(v_desc, [b, hk, n * BLOCK_N_, 0], ready.index(s), v_bufs.index(s))
         return i + 1
 
     @gluon.jit
@@ -179,8 +179,8 @@ if HAVE_GLUON:
         """The loader warp: Q, then the key blocks in the compute warpgroups' order."""
         HALF_M: gl.constexpr = q_desc.block_type.shape[2]
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
-        _tma_load(q_desc, [b, h, m0 + HALF_M, 0], q_bar, q_bufs.index(1))
+        tma_load(q_desc, [b, h, m0, 0], q_bar, q_bufs.index(0))
+        tma_load(q_desc, [b, h, m0 + HALF_M, 0], q_bar, q_bufs.index(1))
         _load_key_blocks(start, mid, stop, KV_IDX, KV_RUN, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
 
     @gluon.jit
@@ -317,9 +317,9 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, qk_scale, sm_scal
     assert workspace.shape[2] == DKDV_BLOCK_N, "a share unit is one key block of this kernel"
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     block = [1, 1, DKDV_BLOCK_M, D]
-    descs = [_descriptor(x, block, dtype) for x in (q, k, v, do)]
+    descs = [descriptor(x, block, dtype) for x in (q, k, v, do)]
     # the rows' LSE and delta come through TMA too ([B, Hq, Tq] rows of 16-byte multiples), plain layout
-    rows = [_descriptor(x, [1, 1, DKDV_BLOCK_M], gl.float32) for x in (lse, delta)]
+    rows = [descriptor(x, [1, 1, DKDV_BLOCK_M], gl.float32) for x in (lse, delta)]
     tree_attention_bwd_dkdv_hopper_kernel[(order.numel() * heads_per_row * shares.max_shares,)](
         *descs, *rows, dk, dv, end, order, shares.shares, shares.first, workspace, qk_scale, sm_scale,
         *dk.stride()[:3], *dv.stride()[:3], stride_eb, heads_per_row, shares.max_shares, Hkv, Hq // Hkv, Tq, Tk,
@@ -340,18 +340,18 @@ if HAVE_GLUON:
                                     + delta_desc.block_type.nbytes)  # fmt: skip
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
         for half in gl.static_range(2):
-            _tma_load(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, k_bufs.index(half))
-            _tma_load(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, v_bufs.index(half))
+            tma_load(k_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, k_bufs.index(half))
+            tma_load(v_desc, [b, hk, n0 + half * ROWS, 0], kv_bar, v_bufs.index(half))
         i = 0
         for h in range(h_lo, h_hi):  # the program's share of the GQA group's query heads
             for m in range(m_lo, m_hi):  # the three ranges of the compute partitions, back to back
                 s = i % STAGES_
                 mbarrier.wait(empty.index(s), ((i // STAGES_) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), tile_bytes)
-                _tma_load(q_desc, [b, h, m * ROWS, 0], ready.index(s), q_bufs.index(s))
-                _tma_load(do_desc, [b, h, m * ROWS, 0], ready.index(s), do_bufs.index(s))
-                _tma_load(lse_desc, [b, h, m * ROWS], ready.index(s), lse_bufs.index(s))  # past Tq: zeros
-                _tma_load(delta_desc, [b, h, m * ROWS], ready.index(s), delta_bufs.index(s))
+                tma_load(q_desc, [b, h, m * ROWS, 0], ready.index(s), q_bufs.index(s))
+                tma_load(do_desc, [b, h, m * ROWS, 0], ready.index(s), do_bufs.index(s))
+                tma_load(lse_desc, [b, h, m * ROWS], ready.index(s), lse_bufs.index(s))  # past Tq: zeros
+                tma_load(delta_desc, [b, h, m * ROWS], ready.index(s), delta_bufs.index(s))
                 i += 1
 
     @gluon.jit
@@ -516,8 +516,8 @@ def backward_dq(q, k, v, do, lse, delta, dq, end, lists, qk_scale, sm_scale, bat
     Hkv, Tk = k.shape[1], k.shape[2]
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_block, kv_block = [1, 1, DQ_BLOCK_M, D], [1, 1, DQ_BLOCK_N, D]
-    descs = [_descriptor(q, q_block, dtype), _descriptor(do, q_block, dtype),
-             _descriptor(k, kv_block, dtype), _descriptor(v, kv_block, dtype)]  # fmt: skip
+    descs = [descriptor(q, q_block, dtype), descriptor(do, q_block, dtype),
+             descriptor(k, kv_block, dtype), descriptor(v, kv_block, dtype)]  # fmt: skip
     num_m_blocks = -(-Tq // DQ_BLOCK_M)
     # 4 warps here and a loader warp rounded to 4: 128 registers each lets two programs share an SM,
     # split 232 / 24
@@ -535,8 +535,8 @@ if HAVE_GLUON:
                    KV_RUN, start, mid, stop, b, h, hk, m0):  # fmt: skip
         """The loader warp: Q and dO of the query block, then K and V of its key blocks in order."""
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_buf)
-        _tma_load(do_desc, [b, h, m0, 0], q_bar, do_buf)
+        tma_load(q_desc, [b, h, m0, 0], q_bar, q_buf)
+        tma_load(do_desc, [b, h, m0, 0], q_bar, do_buf)
         _load_key_blocks(start, mid, stop, KV_IDX, KV_RUN, b, hk, k_desc, v_desc, k_bufs, v_bufs, ready, empty)
 
     @gluon.jit

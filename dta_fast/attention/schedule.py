@@ -259,7 +259,7 @@ def _dkdv_shares(work, heads_per_row: int, group: int, head_dim: int) -> DkdvSha
         return DkdvShares(shares, first, 1, 0, DKDV_SPLIT_UNIT)
     per_slot = 2 * DKDV_SPLIT_UNIT * head_dim * 4  # a float32 dK and dV tile of one unit
     sms = sm_count(work.device)
-    # the largest F's slots stay under 2 F x SMs (docs/benchmarks.md, "dK/dV shares by each key block's
+    # the largest F's slots stay under 2 F x SMs (docs/design_notes.md, "dK/dV shares by each key block's
     # work"), and under every unit split into every head
     slots = min(DKDV_SPLIT_WORKSPACE_BYTES // per_slot, 2 * DKDV_SPLIT_PROGRAMS_PER_SM * sms,
                 units * heads_per_row * group)  # fmt: skip

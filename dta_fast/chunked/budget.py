@@ -1,6 +1,6 @@
 """Choosing the chunking: the largest chunk size whose estimate fits a memory budget, the cheapest plan
 over keep or recompute, the head's logits window and checkpointed layers, and the automatic budget on
-CUDA (docs/chunked_execution.md, "Memory budget and the automatic default")."""
+CUDA (docs/chunked_execution.md, "Choosing the chunk size")."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def largest_fitting_plan(
     (there it grows linearly with the chunks the size bounds), along the
     bracket's chord, or, once that stalls on a step of the estimate (a chunk
     end flipping), by bisection after trying the size just above the largest
-    fit. 4 to 7 plans on the forests of docs/benchmarks.md, up to ~17 where
-    the estimate is flat up to a step. The estimate grows with the size but
+    fit: a handful of plans, more where the estimate is flat up to a
+    step (docs/design_notes.md, "The budget search"). The estimate grows with the size but
     for small steps down (fewer chunks save fewer prefix copies), so "largest"
     is local: the next size up does not fit.
     """
@@ -147,8 +147,8 @@ def chunk_tokens_for_budget(
     ``recompute`` and ``checkpoint_layers`` as there (None: the layers as the model runs them).
 
     The estimate grows with the size but for small steps down, so "largest" is local: the size returned
-    fits and the next size up does not (docs/chunked_execution.md, "Memory budget and the automatic
-    default")."""
+    fits and the next size up does not (docs/chunked_execution.md, "Choosing the
+    chunk size")."""
     check_tree(tree)
     recompute = check_flag("recompute", recompute)
     budget = check_bytes("memory_budget_bytes", memory_budget_bytes)
@@ -158,21 +158,19 @@ def chunk_tokens_for_budget(
     return largest_fitting_plan(memory, forest, budget, recompute=recompute, checkpoint_layers=checkpoint_layers).size
 
 
-# A chunk costs a fixed overhead (kernel launches, prefix gathers, logits windows, Python) worth about
-# this many tokens of forward work: measured 70-170 ms a chunk at the Qwen2-0.5B shape on an H100,
-# where a token's forward takes ~7 us; the automatic choice weighs it against recomputed tokens.
+# A chunk's fixed overhead (launches, prefix gathers, logits windows, Python) in tokens of forward work,
+# weighed against recomputed tokens (docs/design_notes.md, "The cost model's constants").
 CHUNK_OVERHEAD_TOKENS = 8192
 # A window of the vocabulary head costs a dozen launches each way: a fraction of a millisecond.
 WINDOW_OVERHEAD_TOKENS = 64
 # The head's windows the automatic choice tries: the default, then halved, at most this many times, on
-# plans of at most this many chunks (one chunk less saves most there, and their plans are quick: a
-# search over plans of ~700 chunks takes ~35 ms on a 1M-token forest, which a second would double).
+# plans of at most this many chunks, where one chunk less saves the most and planning is quick.
 WINDOW_HALVINGS = 3
 WINDOW_TRADE_MAX_CHUNKS = 256
 
 
 def step_cost(memory: MemoryModel, plan: ChunkPlan) -> float:
-    """Relative step time in token forwards: a cost per token and per chunk (:func:`_cost_rates`),
+    """Relative step time in token forwards: a cost per token and per chunk (:func:`cost_rates`),
     recomputed forwards, and the overheads of the head's windows (a chunk's rows are at most its tokens;
     a recomputed chunk runs its windows twice)."""
     windows = -(-plan.lengths // (plan.logits_rows or memory.logits_rows))
@@ -273,8 +271,8 @@ def _cheapest_over_windows(memory, forest, budget, modes, checkpoint_layers, err
 
 
 # Share of the free device memory the automatic budget gives the estimate: headroom for the caching
-# allocator's fragmentation and for models unlike the measured ones (on those the estimate was
-# 0.986-1.025x of the peak, docs/benchmarks.md).
+# allocator's fragmentation and for models unlike those the estimate was calibrated on
+# (docs/design_notes.md, "The memory estimate's calibration").
 AUTO_BUDGET_FRACTION = 0.8
 
 

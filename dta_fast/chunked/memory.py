@@ -1,5 +1,5 @@
 """The memory model of a chunked step: what a plan keeps alive at its worst moment, from the model's
-shape (docs/chunked_execution.md, "Memory budget and the automatic default")."""
+shape (docs/chunked_execution.md, "Memory budget")."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class MemoryModel:
         layer, trunk, own = _layer_bytes_per_token(shape), _trunk_bytes_per_token(shape), adapter.checkpointed_layers
         checkpointed = shape.layers * shape.hidden * size + trunk + 2 * shape.head_dim * size  # + RoPE's cos, sin
         return cls(
-            # 2% over the closed form: autograd saved 0.2-1.6% more at six measured shapes
+            # 2% over the closed form: what autograd saves beyond it (docs/design_notes.md, calibration)
             activation=((shape.layers - own) * layer + own * shape.hidden * size + trunk) * 51 // 50,
             kv=kv * size,
             kv_grad=kv * max(size, 4),

@@ -12,9 +12,12 @@ Readable reference, in three modules:
   :class:`SpeculativeRun`, the step loop it shares with dta_fast.
 
 Both samplers draw their randomness the same way (one uniform per node whose
-distribution is computed, in sequence order, inverse-CDF sampling), so with
-an empty cache they return the same tokens for the same generator, and
-dta_fast's twins return the same tokens as these (docs/rollout.md).
+distribution is computed, in sequence order, inverse-CDF sampling), and
+dta_fast's twins return the same tokens as these for the same generator. A
+speculative run returns plain sampling's tokens only while no draft is ever
+verified (a finished completion joins the cache mid-batch and drafts for its
+siblings); its samples are always distributed as plain sampling's
+(docs/rollout.md).
 """
 
 from .cache import BOS, DraftBudget, Drafter, DraftTree, RolloutCache, Walk, walk

@@ -2,8 +2,8 @@
 
 Every sampler (plain and speculative, here and in dta_fast) draws its
 randomness the same way: one uniform per node whose distribution is
-computed, in sequence order, inverse-CDF sampling (:func:`draw`), so with
-one generator they return the same tokens.
+computed, in sequence order, inverse-CDF sampling (:func:`draw`), so the
+twins of dta_ref and dta_fast return the same tokens for one generator.
 """
 
 from __future__ import annotations

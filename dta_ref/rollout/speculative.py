@@ -10,7 +10,8 @@ exactly that of :func:`~dta_ref.rollout.sampling.sample` (docs/rollout.md):
     the node move there and go on, else emit x and stop; after the deepest
     accepted node emit one more token from its distribution.
 
-With an empty cache it draws the same tokens as plain sampling.
+It returns plain sampling's very tokens only while no draft is verified: each draft node takes a draw
+of its own, and finished completions join the cache mid-batch (docs/rollout.md).
 """
 
 from __future__ import annotations
