@@ -85,11 +85,15 @@ def _check_same_trainable(mine: list, rank0: list) -> None:
     """A clear error where this rank's trainable parameters are not rank 0's (``_trainable`` of each)."""
     for (name, shape, dtype), (name0, shape0, dtype0) in zip(mine, rank0):
         if (shape, dtype) != (shape0, dtype0):
-            raise ValueError(f"trainable parameter {name!r} is {list(shape)} {dtype} here, {name0!r} {list(shape0)} "
-                             f"{dtype0} on rank 0: every rank must train the same model")  # fmt: skip
+            raise ValueError(
+                f"trainable parameter {name!r} is {list(shape)} {dtype} here, {name0!r} {list(shape0)} "
+                f"{dtype0} on rank 0: every rank must train the same model"
+            )
     if len(mine) != len(rank0):
-        raise ValueError(f"this rank's model has {len(mine)} trainable parameters, rank 0's {len(rank0)}: every "
-                         "rank must train the same parameters (requires_grad alike)")  # fmt: skip
+        raise ValueError(
+            f"this rank's model has {len(mine)} trainable parameters, rank 0's {len(rank0)}: every "
+            "rank must train the same parameters (requires_grad alike)"
+        )
 
 
 def _fingerprints(sequences) -> list[int]:
@@ -101,8 +105,10 @@ def _fingerprints(sequences) -> list[int]:
 def _check_same_batch(mine: list[int], rank0: list[int]) -> None:
     """A clear error where this rank's batch is not rank 0's (``_fingerprints`` of each)."""
     if len(mine) != len(rank0):
-        raise ValueError(f"this rank's batch has {len(mine)} sequences, rank 0's {len(rank0)}: every rank must "
-                         "pass the same full batch")  # fmt: skip
+        raise ValueError(
+            f"this rank's batch has {len(mine)} sequences, rank 0's {len(rank0)}: every rank must "
+            "pass the same full batch"
+        )
     for i, (a, b) in enumerate(zip(mine, rank0)):
         if a != b:
             raise ValueError(f"sequence {i} differs from rank 0's: every rank must pass the same full batch")
@@ -162,7 +168,9 @@ def _agree(error: BaseException | None, group) -> None:
     failures = [(r, kind, text) for r, report in enumerate(reports) if report is not None for kind, text in [report]]
     kinds = {kind for _, kind, _ in failures}
     cls = TypeError if kinds == {"TypeError"} else ValueError if kinds <= {"ValueError", "TypeError"} else RuntimeError
-    message = "distributed_tree_backward failed on " + "; ".join(f"rank {r}: {kind}: {text}" for r, kind, text in failures)
+    message = "distributed_tree_backward failed on " + "; ".join(
+        f"rank {r}: {kind}: {text}" for r, kind, text in failures
+    )
     raise cls(message) from error
 
 
@@ -262,8 +270,10 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
             logprobs, loss = tree_backward(module, tree, local_fn, **options)
         for name, p in module.named_parameters():
             if p.grad is not None and p.grad.layout != torch.strided:
-                raise ValueError(f"parameter {name!r} got a sparse gradient (e.g. nn.Embedding(sparse=True)): "
-                                 "distributed_tree_backward all-reduces dense gradients; build it with sparse=False")  # fmt: skip
+                raise ValueError(
+                    f"parameter {name!r} got a sparse gradient (e.g. nn.Embedding(sparse=True)): "
+                    "distributed_tree_backward all-reduces dense gradients; build it with sparse=False"
+                )
         return loss.detach().double(), logprobs
 
     if is_fsdp2(module):  # FSDP2 reduce-scatters once, at the end, adding to the .grad already there

@@ -62,7 +62,7 @@ class LogprobPairs:
     step: torch.Tensor  # [P] t
 
     @classmethod
-    def of(cls, tree: PrefixTree, mask: torch.Tensor | None = None) -> "LogprobPairs":
+    def of(cls, tree: PrefixTree, mask: torch.Tensor | None = None) -> LogprobPairs:
         """Every (sequence, step) with a next-token logprob, or those where ``mask`` [N, Lmax-1] is True."""
         rows, targets, valid = next_token_targets(tree)
         if mask is not None:
@@ -175,7 +175,9 @@ class _HeadLogprobs(torch.autograd.Function):
 
 def _fusable(head) -> bool:
     """A plain bias-free linear head with an ordinary weight (not a sharded DTensor, not a LoRA layer)."""
-    return type(head) is torch.nn.Linear and head.bias is None and type(head.weight) in (torch.Tensor, torch.nn.Parameter)
+    return (
+        type(head) is torch.nn.Linear and head.bias is None and type(head.weight) in (torch.Tensor, torch.nn.Parameter)
+    )
 
 
 def _runs_as_linear(head) -> bool:
@@ -199,7 +201,7 @@ class HeadRows(NamedTuple):
     windows: list[_Window]
 
     @classmethod
-    def of(cls, rows: torch.Tensor, chunk_rows: int) -> "HeadRows":
+    def of(cls, rows: torch.Tensor, chunk_rows: int) -> HeadRows:
         """From ``rows`` [P] sorted ascending, on their device (it waits for the GPU: the window bounds
         are read back)."""
         unique, inverse = torch.unique_consecutive(rows, return_inverse=True)
@@ -214,7 +216,7 @@ class HeadRows(NamedTuple):
     @classmethod
     def of_chunks(
         cls, rows: np.ndarray, bounds: list[int], offsets: list[int], chunk_rows: int, device
-    ) -> list["HeadRows"]:
+    ) -> list[HeadRows]:
         """Those of the calls of a chunked pass, planned on the host: ``rows`` [P] sorted, call c reads
         the pairs ``bounds[c]:bounds[c + 1]`` (``bounds`` from 0 to P) with rows counted from
         ``offsets[c]``; no row is read by two calls. One copy to ``device`` for all of them, so the calls
@@ -244,9 +246,14 @@ def _windows(bounds: list[int], pair_bounds: list[int]) -> list[_Window]:
 
 
 def rows_logprobs(
-    hidden: torch.Tensor, head, rows: torch.Tensor, targets: torch.Tensor, chunk_rows=None,
-    temperature: float = 1.0, entropy: bool = False,
-):  # fmt: skip
+    hidden: torch.Tensor,
+    head,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_rows=None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+):
     """log p(targets[p] | hidden[rows[p]]) for ``rows`` sorted ascending ([2, P] with entropies, with ``entropy``).
 
     Only the rows some pair reads are projected, each once however many
@@ -260,9 +267,13 @@ def rows_logprobs(
 
 
 def head_logprobs(
-    hidden: torch.Tensor, head, head_rows: HeadRows, targets: torch.Tensor, temperature: float = 1.0,
+    hidden: torch.Tensor,
+    head,
+    head_rows: HeadRows,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
     entropy: bool = False,
-):  # fmt: skip
+):
     """:func:`rows_logprobs` with the rows and windows given (:class:`HeadRows`)."""
     dtype = logprob_dtype(hidden.dtype)
     unique, inverse, windows = head_rows
@@ -291,9 +302,15 @@ def head_logprobs(
 
 
 def gather_logprobs_chunked(
-    hidden: torch.Tensor, head, tree: PrefixTree, chunk_rows: int | None = None,
-    temperature: float = 1.0, entropy: bool = False, mask: torch.Tensor | None = None, vocab_head=None,
-):  # fmt: skip
+    hidden: torch.Tensor,
+    head,
+    tree: PrefixTree,
+    chunk_rows: int | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    mask: torch.Tensor | None = None,
+    vocab_head=None,
+):
     """Per-sequence logprobs [N, Lmax-1] from packed hidden states [T, hidden], in row windows.
 
     With ``entropy``, a :class:`dta_ref.logprobs.LogprobsAndEntropy` of both;

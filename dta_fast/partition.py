@@ -512,8 +512,10 @@ def partition(
     # every cost below lies between a share (total / world_size) and world_size * total; out of float64's
     # normal range they overflow to inf or lose their digits, and the plan would be nonsense or a crash
     if not (math.isfinite(total * world_size) and total / world_size >= sys.float_info.min):
-        raise ValueError(f"cost_model prices this batch at {total:.3g}, too large or too small to partition "
-                         f"over {world_size} ranks in float64: rescale its coefficients (e.g. to token=1)")  # fmt: skip
+        raise ValueError(
+            f"cost_model prices this batch at {total:.3g}, too large or too small to partition "
+            f"over {world_size} ranks in float64: rescale its coefficients (e.g. to token=1)"
+        )
 
     def score(shards):
         stats = [batch.stats(s) for s in shards]

@@ -202,8 +202,20 @@ def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draf
 
 
 @torch.no_grad()
-def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0, top_k=None, top_p=None,
-                       eos_token_id=None, generator=None, max_draft_tokens=32, progress=None) -> Rollout:  # fmt: skip
+def speculative_sample(
+    model,
+    prompts,
+    max_new_tokens,
+    *,
+    cache,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    eos_token_id=None,
+    generator=None,
+    max_draft_tokens=32,
+    progress=None,
+) -> Rollout:
     """Exact speculative sampling with draft trees from ``cache``, KV-cached and batched.
 
     Twin of dta_ref.speculative_sample: the same arguments, the same draws.
@@ -218,8 +230,18 @@ def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0
 
 
 @torch.no_grad()
-def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
-           generator=None, progress=None) -> Rollout:  # fmt: skip
+def sample(
+    model,
+    prompts,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    eos_token_id=None,
+    generator=None,
+    progress=None,
+) -> Rollout:
     """Plain sampling on the same engine (no drafts): the baseline speculative sampling is measured against.
 
     Twin of dta_ref.sample: with one generator both return the same tokens.

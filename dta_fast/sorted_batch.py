@@ -133,7 +133,7 @@ class TreeStats:
     attention_pairs: int
     num_sequences: int
 
-    def checked(self) -> "TreeStats":
+    def checked(self) -> TreeStats:
         """These counts as ints, or a clear error (for stats made by hand; the partitioner's are by
         construction)."""
         values = []
@@ -200,9 +200,7 @@ class SortedBatch:
             return TreeStats(0, 0, 0)
         lens = self.length[positions]
         shared = self.range_min(positions[:-1] + 1, positions[1:]) if positions.size > 1 else lens[:0]
-        return TreeStats(
-            int(lens.sum() - shared.sum()), int(tri(lens).sum() - tri(shared).sum()), int(positions.size)
-        )
+        return TreeStats(int(lens.sum() - shared.sum()), int(tri(lens).sum() - tri(shared).sum()), int(positions.size))
 
     def run_stats(self, i: int, j: int) -> TreeStats:
         """Stats of the contiguous run of positions i..j."""

@@ -17,7 +17,8 @@ contiguous in TRL's batches, so a ``per_device_train_batch_size`` that is a
 multiple of ``num_generations`` keeps every group in one tree.
 
 With ``TreeGRPOConfig(tree_memory_budget_bytes=...)`` (or
-``tree_max_chunk_tokens=...``) the training forward and backward run depth-first in chunks (``dta_fast.tree_backward``) within
+``tree_max_chunk_tokens=...``) the training forward and backward run depth-first in chunks
+(``dta_fast.tree_backward``) within
 that activation budget (``tree_checkpoint_layers`` says whether the layers run under activation
 checkpointing; by default the budget's plan decides): the logprobs are computed without a graph, GRPO's
 own loss gives d loss / d logprob, and the chunked pass backpropagates
@@ -76,8 +77,10 @@ class TreeGRPOConfig(GRPOConfig):
                 got = self.tree_checkpoint_layers
                 raise TypeError(f"tree_checkpoint_layers must be True, False or None, got {got!r}")
             if chunk is None and budget is None:
-                raise ValueError("tree_checkpoint_layers applies to chunks: set tree_max_chunk_tokens or "
-                                 "tree_memory_budget_bytes too")  # fmt: skip
+                raise ValueError(
+                    "tree_checkpoint_layers applies to chunks: set tree_max_chunk_tokens or "
+                    "tree_memory_budget_bytes too"
+                )
 
 
 VOCAB_CHUNK = 32768  # vocabulary columns per tile of TRL's fused head
@@ -88,9 +91,16 @@ def trl_vocab_head(hidden_rows, weight, targets, temperature, float32=False):
     ``float32``: GRPOConfig's cast_lm_head_to_fp32, the projection in float32 outside autocast, as TRL's head."""
     with torch.autocast(hidden_rows.device.type, enabled=False) if float32 else nullcontext():
         logprobs, entropy, *_ = ChunkedLogProbFunction.apply(
-            hidden_rows.float() if float32 else hidden_rows, weight, None, targets, temperature, VOCAB_CHUNK, None,
-            1.0, ("entropy",),
-        )  # fmt: skip
+            hidden_rows.float() if float32 else hidden_rows,
+            weight,
+            None,
+            targets,
+            temperature,
+            VOCAB_CHUNK,
+            None,
+            1.0,
+            ("entropy",),
+        )
     return logprobs, entropy
 
 
@@ -98,9 +108,17 @@ class TreeGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose per-token logprobs come from one prefix tree per micro-batch (same constructor)."""
 
     _UNSUPPORTED_INPUTS = (
-        "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-        "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-    )  # fmt: skip
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -130,9 +148,16 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["tree/compression_ratio"].append(tree.compression_ratio)
 
     def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **multimodal,
-    ):  # fmt: skip
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         if compute_aux_loss or any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
             warnings.warn(
                 "TreeGRPOTrainer: multimodal inputs and MoE auxiliary losses are not on the tree path; "
@@ -140,9 +165,15 @@ class TreeGRPOTrainer(GRPOTrainer):
                 stacklevel=2,
             )
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
                 **multimodal,
-            )  # fmt: skip
+            )
         batch_size = batch_size or input_ids.size(0)
         first = input_ids.size(1) - logits_to_keep  # the completion block's first column
         head = functools.partial(trl_vocab_head, float32=self.args.cast_lm_head_to_fp32)
@@ -193,6 +224,12 @@ class TreeGRPOTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
             # float16's loss scaling: GRPOTrainer scales the loss it backpropagates; this backward runs here
-            tree_backward(unwrapped, tree, LinearizedLoss(weights), temperature=self.temperature,
-                          grad_scaler=self.accelerator.scaler, **chunking)  # fmt: skip
+            tree_backward(
+                unwrapped,
+                tree,
+                LinearizedLoss(weights),
+                temperature=self.temperature,
+                grad_scaler=self.accelerator.scaler,
+                **chunking,
+            )
         return loss  # depends on the leaf only: the trainer's backward of it leaves the parameters alone

@@ -199,9 +199,16 @@ class ModelAdapter:
         cfg = self.core.config
         if not self.is_hf:
             return ModelShape(
-                "dta_ref", cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                cfg.intermediate_size, self._element_size(), False,
-            )  # fmt: skip
+                "dta_ref",
+                cfg.num_layers,
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.intermediate_size,
+                self._element_size(),
+                False,
+            )
         heads = cfg.num_attention_heads
         return ModelShape(
             model_type=cfg.model_type,

@@ -67,7 +67,7 @@ def autocast_inputs(q, k, v):
     if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         # float64 stays itself, as autocast leaves it (the float64 ground truth keeps its digits)
-        cast = (lambda x: isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64)
+        cast = lambda x: isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
         return tuple(x.to(dtype) if cast(x) else x for x in (q, k, v))
     return q, k, v
 

@@ -31,8 +31,14 @@ def grpo_batch(
 ) -> list[list[int]]:
     """GRPO: per group one prompt of ``prompt_len`` tokens and ``num_responses``
     responses of ``response_len`` tokens; each rollout is prompt + response."""
-    _check_sizes(num_groups=(num_groups, 1), prompt_len=(prompt_len, 0), num_responses=(num_responses, 1),
-                 response_len=(response_len, 1), vocab_size=(vocab_size, 1), seed=(seed, 0))  # fmt: skip
+    _check_sizes(
+        num_groups=(num_groups, 1),
+        prompt_len=(prompt_len, 0),
+        num_responses=(num_responses, 1),
+        response_len=(response_len, 1),
+        vocab_size=(vocab_size, 1),
+        seed=(seed, 0),
+    )
     rng = np.random.default_rng(seed)
     batch = []
     for _ in range(num_groups):
@@ -62,9 +68,17 @@ def agentic_batch(
     samples of one rollout are prefixes of each other. With
     ``every_turn=False`` each rollout is one sample, its whole context.
     """
-    _check_sizes(system_len=(system_len, 0), num_tasks=(num_tasks, 1), task_len=(task_len, 0),
-                 rollouts_per_task=(rollouts_per_task, 1), turns=(turns, 1), assistant_len=(assistant_len, 1),
-                 tool_len=(tool_len, 0), vocab_size=(vocab_size, 1), seed=(seed, 0))  # fmt: skip
+    _check_sizes(
+        system_len=(system_len, 0),
+        num_tasks=(num_tasks, 1),
+        task_len=(task_len, 0),
+        rollouts_per_task=(rollouts_per_task, 1),
+        turns=(turns, 1),
+        assistant_len=(assistant_len, 1),
+        tool_len=(tool_len, 0),
+        vocab_size=(vocab_size, 1),
+        seed=(seed, 0),
+    )
     if not isinstance(every_turn, (bool, np.bool_)):
         raise TypeError(f"every_turn must be a bool, got {type(every_turn).__name__}")
     rng = np.random.default_rng(seed)

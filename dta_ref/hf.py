@@ -59,7 +59,9 @@ def sliding_window_of(cfg) -> int | None:
     """The window of the model's sliding-window layers; None where every layer attends fully."""
     layer_types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
-    sliding = "sliding_attention" in layer_types if layer_types is not None else getattr(cfg, "use_sliding_window", False)
+    sliding = (
+        "sliding_attention" in layer_types if layer_types is not None else getattr(cfg, "use_sliding_window", False)
+    )
     return int(window) if sliding and window is not None else None
 
 

@@ -164,4 +164,3 @@ def flat_logprobs(model, sequences, *, temperature: float = 1.0) -> torch.Tensor
         lp = token_logprobs(logits[:-1], ids[0, 1:], temperature)
         rows.append(F.pad(lp, (0, width - lp.shape[0])))
     return torch.stack(rows)
-

@@ -124,8 +124,10 @@ def clipped_policy_gradient_terms(logprobs, old_logprobs, advantages, clip_low=0
     _check_padded("advantages", advantages)
     if advantages.shape != logprobs.shape:
         if logprobs.dim() != 2 or advantages.shape != logprobs.shape[:1]:
-            raise ValueError(f"advantages must have logprobs' shape {tuple(logprobs.shape)}, or be [N] one per "
-                             f"sequence of logprobs [N, L]; got shape {tuple(advantages.shape)}")  # fmt: skip
+            raise ValueError(
+                f"advantages must have logprobs' shape {tuple(logprobs.shape)}, or be [N] one per "
+                f"sequence of logprobs [N, L]; got shape {tuple(advantages.shape)}"
+            )
         advantages = advantages[:, None]
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
@@ -204,7 +206,7 @@ class TokenLoss:
     def _term(self, seq, step, logprobs):
         raise NotImplementedError
 
-    def to(self, device) -> "TokenLoss":
+    def to(self, device) -> TokenLoss:
         """A copy whose tensors (and those of TokenLosses it holds) live on ``device``.
 
         :meth:`terms` moves what it reads to the logprobs' device; an engine
@@ -216,7 +218,7 @@ class TokenLoss:
                 setattr(moved, name, value.to(device))
         return moved
 
-    def rows(self, index, width: int | None = None) -> "TokenLoss":
+    def rows(self, index, width: int | None = None) -> TokenLoss:
         """The same loss over sequences ``index`` only: its sequence j is sequence ``index[j]`` here.
 
         Normalisation is unchanged (it lives in the weights), so the terms of
@@ -266,8 +268,10 @@ class TokenLoss:
         in the normalisation a token that has no logprob).
         """
         if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or not _is_integer(lengths):
-            raise TypeError(f"lengths must be a 1-D integer tensor, got {getattr(lengths, 'dtype', type(lengths))} "
-                            f"of shape {tuple(getattr(lengths, 'shape', ()))}")  # fmt: skip
+            raise TypeError(
+                f"lengths must be a 1-D integer tensor, got {getattr(lengths, 'dtype', type(lengths))} "
+                f"of shape {tuple(getattr(lengths, 'shape', ()))}"
+            )
         expected = (lengths.numel(), int(lengths.max()) - 1 if lengths.numel() else 0)
         if self.shape != expected:
             raise ValueError(f"loss_fn was built for logprobs of shape {self.shape}, the tree has {expected}")

@@ -58,9 +58,7 @@ class DecoderConfig:
                 )
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 

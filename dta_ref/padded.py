@@ -28,7 +28,7 @@ class PaddedLayout:
     width: int
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor) -> "PaddedLayout":
+    def of(cls, attention_mask: torch.Tensor) -> PaddedLayout:
         """The layout of ``attention_mask`` [B, L] (1 or True at tokens); each row's ones must be contiguous."""
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")

@@ -60,7 +60,7 @@ def _layout(parent: list[int]) -> tuple[list[int], list[int]]:
     rows, roots = [], []
     used_children: set[int] = set()
     next_row = 0
-    for i, p in enumerate(parent):
+    for p in parent:
         if p >= 0 and p not in used_children:
             used_children.add(p)
             rows.append(rows[p])
@@ -79,8 +79,8 @@ def draw_tree(tree_or_sequences, path, *, title=None, token_labels=None):
     a list indexed by id, or a callable. Trees of more than 200 packed tokens
     are refused (the picture would not be legible).
     """
-    tree = tree_or_sequences if isinstance(tree_or_sequences, PrefixTree) else PrefixTree.from_sequences(
-        tree_or_sequences
+    tree = (
+        tree_or_sequences if isinstance(tree_or_sequences, PrefixTree) else PrefixTree.from_sequences(tree_or_sequences)
     )
     T = tree.num_tokens
     if T > MAX_TOKENS:
@@ -120,14 +120,27 @@ def draw_tree(tree_or_sequences, path, *, title=None, token_labels=None):
         is_end = i in ends
         box = dict(boxstyle="round,pad=0.3", fc=color if is_end else "white", ec=color, lw=2.2 if is_end else 1.2)
         ax_tree.text(
-            depth[i], rows[i], label(tokens[i]), ha="center", va="center", fontsize=font, zorder=3,
-            color="white" if is_end else "black", bbox=box,
+            depth[i],
+            rows[i],
+            label(tokens[i]),
+            ha="center",
+            va="center",
+            fontsize=font,
+            zorder=3,
+            color="white" if is_end else "black",
+            bbox=box,
         )
         ax_tree.text(depth[i], rows[i] - 0.33, str(i), ha="center", va="bottom", fontsize=small, color="#555555")
         if is_end:
             ax_tree.text(
-                depth[i], rows[i] + 0.33, ",".join(f"s{s}" for s in ends[i]), ha="center", va="top",
-                fontsize=small, color=color, fontweight="bold",
+                depth[i],
+                rows[i] + 0.33,
+                ",".join(f"s{s}" for s in ends[i]),
+                ha="center",
+                va="top",
+                fontsize=small,
+                color=color,
+                fontweight="bold",
             )
     ax_tree.set_xlim(-0.6, max_depth + 0.6)
     ax_tree.set_ylim(num_rows - 0.4, -0.7)
@@ -209,8 +222,9 @@ def main(argv=None):
     parser.add_argument("path", nargs="?", default="prefix_tree.png", help="PNG to write (%(default)s)")
     path = parser.parse_args(sys.argv[1:] if argv is None else argv).path
     sequences, words = example_sequences()
-    out = draw_tree(sequences, path, title="Rollouts packed as a preorder forest, and its tree attention mask",
-                    token_labels=words)
+    out = draw_tree(
+        sequences, path, title="Rollouts packed as a preorder forest, and its tree attention mask", token_labels=words
+    )
     print(out)
 
 

@@ -122,7 +122,7 @@ class PrefixTree:
     lengths: torch.Tensor  # [N] long
 
     @classmethod
-    def from_sequences(cls, sequences) -> "PrefixTree":
+    def from_sequences(cls, sequences) -> PrefixTree:
         """Insert ``sequences`` (N >= 1 token lists or 1-D integer tensors/arrays, or one 2-D one) into a trie.
 
         Children are visited in increasing token order, so sorting the rollouts
@@ -185,7 +185,7 @@ class PrefixTree:
         )._mark_valid()
 
     @classmethod
-    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "PrefixTree":
+    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PrefixTree:
         """The tree of a padded batch [B, L]: row i's tokens are those where ``attention_mask`` is 1.
 
         Left, right or mixed padding; each row's tokens must be one contiguous
@@ -244,7 +244,8 @@ class PrefixTree:
             prompt_lengths = prompt_lengths.to(torch.long)  # one past int64's range wraps negative: refused
         if prompt_lengths.shape != (self.num_sequences,):
             raise ValueError(
-                f"prompt_lengths must be {self.num_sequences} integers, one per rollout, got {tuple(prompt_lengths.shape)}"
+                f"prompt_lengths must be {self.num_sequences} integers, one per rollout, "
+                f"got {tuple(prompt_lengths.shape)}"
             )
         if (prompt_lengths < 1).any() or (prompt_lengths > self.lengths).any():
             raise ValueError("every prompt length must be between 1 and its rollout's length")
@@ -255,14 +256,14 @@ class PrefixTree:
         """Tokens of rollout i, read back from the packed tree."""
         return self.tokens[self.seq_index[i, : int(self.lengths[i])]]
 
-    def to(self, device) -> "PrefixTree":
+    def to(self, device) -> PrefixTree:
         """The tree on ``device``; its tensors stay int64 (token ids and indices, not values to convert)."""
         if isinstance(device, torch.dtype):
             raise TypeError(f"PrefixTree.to takes a device, got the dtype {device}: its tensors stay int64")
         moved = PrefixTree(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
         return moved._mark_valid() if self._known_valid() else moved  # a copy of a valid tree is valid
 
-    def _mark_valid(self) -> "PrefixTree":
+    def _mark_valid(self) -> PrefixTree:
         """Record that this tree is valid as it stands (for the builders, whose trees are by construction):
         :meth:`validate` then skips its checks, which cost about as much as building (0.6 s on a forest
         of 1M tokens), until a tensor is changed in place or the tree is rebuilt with other tensors."""
@@ -280,7 +281,7 @@ class PrefixTree:
         known = getattr(self, "_valid_as", None)
         return known is not None and known == self._fingerprint()
 
-    def validate(self, loss_fn=None) -> "PrefixTree":
+    def validate(self, loss_fn=None) -> PrefixTree:
         """Raise ValueError/TypeError unless this is a preorder forest whose fields agree; return self.
 
         Every entry point calls it, so a tree not made by the builders (say,
@@ -316,9 +317,13 @@ class PrefixTree:
         T = self.tokens.shape[0] if self.tokens.dim() == 1 else -1
         for name in ("tokens", "position_ids", "parent", "subtree_end"):
             if fields[name].dim() != 1 or fields[name].shape[0] != T or T < 1:
-                raise ValueError(f"PrefixTree.{name} must be [T] with T >= 1 tokens, got shape {tuple(fields[name].shape)}")
+                raise ValueError(
+                    f"PrefixTree.{name} must be [T] with T >= 1 tokens, got shape {tuple(fields[name].shape)}"
+                )
         if self.seq_index.dim() != 2 or 0 in self.seq_index.shape:
-            raise ValueError(f"PrefixTree.seq_index must be [N, Lmax] with N, Lmax >= 1, got {tuple(self.seq_index.shape)}")
+            raise ValueError(
+                f"PrefixTree.seq_index must be [N, Lmax] with N, Lmax >= 1, got {tuple(self.seq_index.shape)}"
+            )
         N, L = self.seq_index.shape
         if tuple(self.lengths.shape) != (N,):
             raise ValueError(f"PrefixTree.lengths must be [N] = [{N}], got shape {tuple(self.lengths.shape)}")
@@ -328,7 +333,10 @@ class PrefixTree:
         depth = nesting_depth(self.subtree_end[None])[0]
         if not torch.equal(self.position_ids, depth):
             i = int((self.position_ids != depth).nonzero()[0])
-            raise ValueError(f"PrefixTree.position_ids[{i}] = {int(self.position_ids[i])}, but subtree_end puts token {i} at depth {int(depth[i])}")
+            raise ValueError(
+                f"PrefixTree.position_ids[{i}] = {int(self.position_ids[i])}, but subtree_end puts token {i} at "
+                f"depth {int(depth[i])}"
+            )
         parent = self.parent
         i = torch.arange(T, device=parent.device)
         p = parent.clamp(min=0, max=T - 1)  # an entry out of range is refused below, not read out of bounds
@@ -339,22 +347,30 @@ class PrefixTree:
         )
         if not bool(ok.all()):
             i = int((~ok).nonzero()[0])
-            raise ValueError(f"PrefixTree.parent[{i}] = {int(parent[i])} is not the token above {i} in subtree_end's forest")
+            raise ValueError(
+                f"PrefixTree.parent[{i}] = {int(parent[i])} is not the token above {i} in subtree_end's forest"
+            )
 
         lengths = self.lengths
         if bool((lengths < 1).any()) or bool((lengths > L).any()) or int(lengths.max()) != L:
-            raise ValueError(f"PrefixTree.lengths must be between 1 and Lmax = {L}, with max {L}; got {lengths.tolist()[:8]}")
+            raise ValueError(
+                f"PrefixTree.lengths must be between 1 and Lmax = {L}, with max {L}; got {lengths.tolist()[:8]}"
+            )
         t = torch.arange(L, device=lengths.device)
         inside = t[None, :] < lengths[:, None]  # [N, L]
         index = self.seq_index
         if not bool(torch.where(inside, (index >= 0) & (index < T), index == -1).all()):
             s = int((~torch.where(inside, (index >= 0) & (index < T), index == -1)).nonzero()[0, 0])
-            raise ValueError(f"PrefixTree.seq_index row {s} must hold {int(lengths[s])} packed indices in [0, {T}), then -1")
+            raise ValueError(
+                f"PrefixTree.seq_index row {s} must hold {int(lengths[s])} packed indices in [0, {T}), then -1"
+            )
         prev = torch.cat([torch.full((N, 1), -1, dtype=torch.long, device=index.device), index[:, :-1]], 1)
         on_path = ~inside | (parent[index.clamp(min=0)] == prev)
         if not bool(on_path.all()):
             s, t = (~on_path).nonzero()[0].tolist()
-            raise ValueError(f"PrefixTree.seq_index[{s}] is not a root-to-node path: its token {t} is not a child of token {t - 1}")
+            raise ValueError(
+                f"PrefixTree.seq_index[{s}] is not a root-to-node path: its token {t} is not a child of token {t - 1}"
+            )
 
     def __repr__(self) -> str:
         return (

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 import dta_fast
 import dta_ref
+from dta_fast.chunked import MemoryModel, plan_chunks
 from dta_ref import PolicyGradientLoss, PrefixTree
 from property_tests.strategies import rollout_sets, seeds
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
-from dta_fast.chunked import MemoryModel, plan_chunks
 from tests.test_engine import check_plan
 
 _decoders: dict[int, torch.nn.Module] = {}
@@ -49,9 +49,12 @@ def test_tree_backward_matches_flat(sequences, chunk, recompute, normalization, 
     for n, p in model.named_parameters():
         p.grad = start[n].clone()
     lp, total = dta_fast.tree_backward(
-        model, tree, PolicyGradientLoss(old, adv, mask, 0.2, 0.3, normalization),
-        max_chunk_tokens=chunk, recompute=recompute,
-    )  # fmt: skip
+        model,
+        tree,
+        PolicyGradientLoss(old, adv, mask, 0.2, 0.3, normalization),
+        max_chunk_tokens=chunk,
+        recompute=recompute,
+    )
     got = {n: p.grad - start[n] for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = None
@@ -85,7 +88,10 @@ def test_plan_prefix_is_the_path(sequences, size, recompute):
 
 
 @given(
-    sequences=rollout_sets(max_sequences=12, max_len=30), recompute=st.booleans(), checkpoint=st.booleans(), seed=seeds()
+    sequences=rollout_sets(max_sequences=12, max_len=30),
+    recompute=st.booleans(),
+    checkpoint=st.booleans(),
+    seed=seeds(),
 )
 def test_memory_floor_bounds_every_plan(sequences, recompute, checkpoint, seed):
     """MemoryModel.floor_bytes, which lets chunk_tokens_for_budget refuse a budget without planning,

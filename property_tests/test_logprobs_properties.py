@@ -141,8 +141,10 @@ def test_masked_scoring_of_both_twins(sequences, seed, chunk_rows, data):
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, got)]
 
     want_g = grads(want_lp, want_ent)
-    for name, twin in (("dta_ref", dta_ref.gather_tree_logprobs),
-                       ("dta_fast", functools.partial(dta_fast.gather_logprobs_chunked, chunk_rows=chunk_rows))):  # fmt: skip
+    for name, twin in (
+        ("dta_ref", dta_ref.gather_tree_logprobs),
+        ("dta_fast", functools.partial(dta_fast.gather_logprobs_chunked, chunk_rows=chunk_rows)),
+    ):
         got = twin(hidden, head, tree, entropy=True, mask=mask)
         assert_close_report(got.logprobs, want_lp, atol=1e-12, rtol=1e-12, name=f"{name} logprobs")
         assert_close_report(got.entropy, want_ent, atol=1e-12, rtol=1e-12, name=f"{name} entropies")

@@ -41,8 +41,9 @@ tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5)
     seed=st.integers(0, 2**31 - 1),
 )
 @settings(max_examples=20)
-def test_speculative_twins_on_random_caches(prompts, cached, temperature, top_k, top_p, eos, max_new_tokens,
-                                            max_draft_tokens, seed):  # fmt: skip
+def test_speculative_twins_on_random_caches(
+    prompts, cached, temperature, top_k, top_p, eos, max_new_tokens, max_draft_tokens, seed
+):
     m = model()
     prompts = prompts + prompts[:1]  # a group of two siblings: one's finished completion drafts for the other
     caches = [dta_ref.RolloutCache(), dta_ref.RolloutCache()]
@@ -50,10 +51,12 @@ def test_speculative_twins_on_random_caches(prompts, cached, temperature, top_k,
         for cache in caches:
             cache.add(prompts[i % len(prompts)], completion)
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos, max_draft_tokens=max_draft_tokens)
-    ref = dta_ref.speculative_sample(m, prompts, max_new_tokens, cache=caches[0],
-                                     generator=torch.Generator().manual_seed(seed), **kw)  # fmt: skip
-    fast = dta_fast.speculative_sample(m, prompts, max_new_tokens, cache=caches[1],
-                                       generator=torch.Generator().manual_seed(seed), **kw)  # fmt: skip
+    ref = dta_ref.speculative_sample(
+        m, prompts, max_new_tokens, cache=caches[0], generator=torch.Generator().manual_seed(seed), **kw
+    )
+    fast = dta_fast.speculative_sample(
+        m, prompts, max_new_tokens, cache=caches[1], generator=torch.Generator().manual_seed(seed), **kw
+    )
     assert ref.completions == fast.completions
     assert ref.stats == fast.stats
     params = SamplingParams(temperature, top_k, top_p, eos)
@@ -69,4 +72,6 @@ def test_speculative_twins_on_random_caches(prompts, cached, temperature, top_k,
     assert fast.stats["generated_tokens"] == sum(map(len, fast.completions))
     assert fast.stats["accepted_tokens"] <= fast.stats["drafted_tokens"]
     if temperature == 0:
-        assert fast.completions == dta_ref.sample(m, prompts, max_new_tokens, temperature=0, eos_token_id=eos).completions
+        assert (
+            fast.completions == dta_ref.sample(m, prompts, max_new_tokens, temperature=0, eos_token_id=eos).completions
+        )

@@ -62,7 +62,9 @@ def report(name, actual, expected) -> str:
     diff = (actual.double() - expected.double()).abs()
     rel_rms = (diff.pow(2).mean().sqrt() / expected.double().pow(2).mean().sqrt().clamp(min=1e-30)).item()
     worst = np.unravel_index(int(diff.argmax()), tuple(diff.shape)) if diff.numel() else ()
-    return f"{name}: max abs diff {diff.max().item():.3e}, relative RMS {rel_rms:.3e}, worst at {tuple(map(int, worst))}"
+    return (
+        f"{name}: max abs diff {diff.max().item():.3e}, relative RMS {rel_rms:.3e}, worst at {tuple(map(int, worst))}"
+    )
 
 
 def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0):

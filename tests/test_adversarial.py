@@ -295,19 +295,31 @@ LOSS_ARGUMENTS = {
     "bool_advantages": (_policy(advantages=ADV > 0), TypeError, "advantages must be real numbers"),
     "complex_advantages": (_policy(advantages=ADV.to(torch.complex128)), TypeError, "advantages must be real"),
     "half_mask": (_policy(loss_mask=MASK.double() * 0.5), ValueError, "loss_mask must be bool"),
-    "nan_advantage_masked_in": (_policy(advantages=_masked_in(ADV[:, None].expand(4, 6), NAN)), ValueError,
-                                r"advantages is not finite at masked-in position \(0, 0\)"),
-    "inf_old_masked_in": (_policy(old_logprobs=_masked_in(OLD, -INF)), ValueError,
-                          r"old_logprobs is not finite at masked-in position \(0, 0\)"),
+    "nan_advantage_masked_in": (
+        _policy(advantages=_masked_in(ADV[:, None].expand(4, 6), NAN)),
+        ValueError,
+        r"advantages is not finite at masked-in position \(0, 0\)",
+    ),
+    "inf_old_masked_in": (
+        _policy(old_logprobs=_masked_in(OLD, -INF)),
+        ValueError,
+        r"old_logprobs is not finite at masked-in position \(0, 0\)",
+    ),
     "sft_integer_logprobs": (lambda: dta_ref.sft_loss(LP.long(), MASK), TypeError, "logprobs must be a floating"),
     "class_nan_clip": (_policy_fn(clip_low=NAN), ValueError, "clip_low must be finite"),
     "class_integer_old": (_policy_fn(old_logprobs=OLD.int()), TypeError, "old_logprobs must be a floating"),
-    "class_nan_advantage_masked_in": (_policy_fn(advantages=_masked_in(ADV[:, None].expand(4, 6), NAN)),
-                                      ValueError, "advantages is not finite"),
+    "class_nan_advantage_masked_in": (
+        _policy_fn(advantages=_masked_in(ADV[:, None].expand(4, 6), NAN)),
+        ValueError,
+        "advantages is not finite",
+    ),
     "class_1d_old": (_policy_fn(old_logprobs=OLD[0], loss_mask=MASK[0]), ValueError, r"old_logprobs must be \[N, L\]"),
     "normalization_not_a_string": (_policy(normalization=1), ValueError, "normalization must be one of"),
-    "call_past_end": (lambda: PolicyGradientLoss(OLD, ADV, MASK)(3, LP[3, :3]), ValueError,
-                      "loss mask is True past the 3 logprobs of sequence 3"),
+    "call_past_end": (
+        lambda: PolicyGradientLoss(OLD, ADV, MASK)(3, LP[3, :3]),
+        ValueError,
+        "loss mask is True past the 3 logprobs of sequence 3",
+    ),
     "call_integer_logprobs": (lambda: SFTLoss(MASK)(0, LP[0].long()), TypeError, "logprobs must be a floating"),
 }
 
@@ -385,7 +397,9 @@ def _entry(name):
         pytest.importorskip("triton")
         import dta_fast
 
-        return lambda tree: dta_fast.tree_logprobs(tiny_decoder(torch.float32).to(DEVICE), tree, attention_impl="kernel")
+        return lambda tree: dta_fast.tree_logprobs(
+            tiny_decoder(torch.float32).to(DEVICE), tree, attention_impl="kernel"
+        )
     import dta_fast
 
     return lambda tree: dta_fast.tree_backward(tiny_decoder(torch.float64), tree, SFTLoss(TREE.logprob_mask))
@@ -415,7 +429,11 @@ def test_builder_trees_are_checked_again_once_changed():
     them (or the tree rebuilt around other tensors) brings them back."""
     from dta_fast import build_tree
 
-    for tree in (PrefixTree.from_sequences(SEQUENCES), build_tree(SEQUENCES), PrefixTree.from_sequences(SEQUENCES).to("cpu")):
+    for tree in (
+        PrefixTree.from_sequences(SEQUENCES),
+        build_tree(SEQUENCES),
+        PrefixTree.from_sequences(SEQUENCES).to("cpu"),
+    ):
         assert tree._known_valid()
         tree.subtree_end[0] = 1  # crosses the ranges under token 0
         with pytest.raises(ValueError, match="position_ids|not a preorder forest|parent"):
@@ -433,24 +451,48 @@ def test_builder_trees_are_checked_again_once_changed():
 
 CLEAR_ERRORS = {
     "token_beyond_int64": (lambda: PrefixTree.from_sequences([[1, 2**63]]), ValueError, "does not fit int64"),
-    "uint64_array": (lambda: PrefixTree.from_sequences([np.array([1, 2**64 - 1], dtype=np.uint64)]), ValueError,
-                     "does not fit int64"),
-    "fast_builder_uint64": (lambda: _build_tree([np.array([3, 2**63], dtype=np.uint64)]), ValueError,
-                            "does not fit int64"),
-    "reference_zero_heads": (lambda: dta_ref.attention(*_qkv(h=0), torch.ones(4, 4, dtype=torch.bool)), ValueError,
-                             "heads, tokens and head dim must be at least 1"),
-    "reference_zero_head_dim": (lambda: dta_ref.attention(*_qkv(d=0), torch.ones(4, 4, dtype=torch.bool)),
-                                ValueError, "heads, tokens and head dim must be at least 1"),
-    "reference_nan_scale": (lambda: dta_ref.attention(*_qkv(), torch.ones(4, 4, dtype=torch.bool), NAN),
-                            ValueError, "scale must be finite"),
-    "kernel_zero_heads": (lambda: _kernel()(*_qkv(h=0), torch.full((4,), 4)), ValueError,
-                          "heads, tokens and head dim must be at least 1"),
-    "kernel_zero_head_dim": (lambda: _kernel()(*_qkv(d=0), torch.full((4,), 4)), ValueError,
-                             "heads, tokens and head dim must be at least 1"),
+    "uint64_array": (
+        lambda: PrefixTree.from_sequences([np.array([1, 2**64 - 1], dtype=np.uint64)]),
+        ValueError,
+        "does not fit int64",
+    ),
+    "fast_builder_uint64": (
+        lambda: _build_tree([np.array([3, 2**63], dtype=np.uint64)]),
+        ValueError,
+        "does not fit int64",
+    ),
+    "reference_zero_heads": (
+        lambda: dta_ref.attention(*_qkv(h=0), torch.ones(4, 4, dtype=torch.bool)),
+        ValueError,
+        "heads, tokens and head dim must be at least 1",
+    ),
+    "reference_zero_head_dim": (
+        lambda: dta_ref.attention(*_qkv(d=0), torch.ones(4, 4, dtype=torch.bool)),
+        ValueError,
+        "heads, tokens and head dim must be at least 1",
+    ),
+    "reference_nan_scale": (
+        lambda: dta_ref.attention(*_qkv(), torch.ones(4, 4, dtype=torch.bool), NAN),
+        ValueError,
+        "scale must be finite",
+    ),
+    "kernel_zero_heads": (
+        lambda: _kernel()(*_qkv(h=0), torch.full((4,), 4)),
+        ValueError,
+        "heads, tokens and head dim must be at least 1",
+    ),
+    "kernel_zero_head_dim": (
+        lambda: _kernel()(*_qkv(d=0), torch.full((4,), 4)),
+        ValueError,
+        "heads, tokens and head dim must be at least 1",
+    ),
     "kernel_list_subtree_end": (lambda: _kernel()(*_qkv(), [4, 4, 4, 4]), TypeError, "subtree_end must be an integer"),
     "kernel_numpy_subtree_end": (lambda: _kernel()(*_qkv(), np.full(4, 4)), TypeError, "subtree_end must be an"),
-    "kernel_string_scale": (lambda: _kernel()(*_qkv(), torch.full((4,), 4), "0.1"), TypeError,
-                            "scale must be a real number"),
+    "kernel_string_scale": (
+        lambda: _kernel()(*_qkv(), torch.full((4,), 4), "0.1"),
+        TypeError,
+        "scale must be a real number",
+    ),
 }
 
 
@@ -487,7 +529,7 @@ def test_plot_help_writes_no_file(tmp_path, monkeypatch, capsys):
 def test_draw_tree_labels(tmp_path):
     """draw_tree takes its labels as a dict, a list indexed by id or a function, and names anything else."""
     pytest.importorskip("matplotlib")
-    from dta_ref.plot import label_fn, draw_tree
+    from dta_ref.plot import draw_tree, label_fn
 
     assert [label_fn({1: "a"})(t) for t in (1, 2)] == ["a", "2"]
     assert [label_fn(["x", "y"])(t) for t in (1, 5)] == ["y", "5"]

@@ -56,28 +56,71 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
     lists = dict(KV_COUNT=ints, KV_FULL=ints, KV_IDX=ints, KV_RUN=ints, stride_kv_b=0, NK=8)
     if kernel_name == "forward":
         kernel, stages, maxnreg = H.tree_attention_fwd_hopper_kernel, H.STAGES, 168
-        args = dict(q_desc=desc(H.BLOCK_M // 2), k_desc=desc(H.BLOCK_N), v_desc=desc(H.BLOCK_N), O=x, LSE=floats,
-                    END=ints, SEES_BAD=torch.empty(4, dtype=torch.int8), **lists, **scalars,
-                    **{f"stride_o{d}": v for d, v in strides.items()})  # fmt: skip
+        args = dict(
+            q_desc=desc(H.BLOCK_M // 2),
+            k_desc=desc(H.BLOCK_N),
+            v_desc=desc(H.BLOCK_N),
+            O=x,
+            LSE=floats,
+            END=ints,
+            SEES_BAD=torch.empty(4, dtype=torch.int8),
+            **lists,
+            **scalars,
+            **{f"stride_o{d}": v for d, v in strides.items()},
+        )
     elif kernel_name == "dkdv":
         kernel, stages, maxnreg = H.tree_attention_bwd_dkdv_hopper_kernel, H.DKDV_STAGES, 168
-        args = dict(q_desc=desc(H.DKDV_BLOCK_M), k_desc=desc(H.DKDV_BLOCK_N // 2), v_desc=desc(H.DKDV_BLOCK_N // 2),
-                    do_desc=desc(H.DKDV_BLOCK_M), lse_desc=rows, delta_desc=rows, DK=x, DV=x, END=ints, ORDER=ints,
-                    SHARES=ints, FIRST=ints, WS=floats, sm_scale=0.1, heads_per_row=4, SPLITS=2, Hkv=4, **scalars,
-                    **{f"stride_dk{d}": v for d, v in strides.items()},
-                    **{f"stride_dv{d}": v for d, v in strides.items()})  # fmt: skip
+        args = dict(
+            q_desc=desc(H.DKDV_BLOCK_M),
+            k_desc=desc(H.DKDV_BLOCK_N // 2),
+            v_desc=desc(H.DKDV_BLOCK_N // 2),
+            do_desc=desc(H.DKDV_BLOCK_M),
+            lse_desc=rows,
+            delta_desc=rows,
+            DK=x,
+            DV=x,
+            END=ints,
+            ORDER=ints,
+            SHARES=ints,
+            FIRST=ints,
+            WS=floats,
+            sm_scale=0.1,
+            heads_per_row=4,
+            SPLITS=2,
+            Hkv=4,
+            **scalars,
+            **{f"stride_dk{d}": v for d, v in strides.items()},
+            **{f"stride_dv{d}": v for d, v in strides.items()},
+        )
     else:
         kernel, stages, maxnreg = H.tree_attention_bwd_dq_hopper_kernel, H.DQ_STAGES, 128
-        args = dict(q_desc=desc(H.DQ_BLOCK_M), do_desc=desc(H.DQ_BLOCK_M), k_desc=desc(H.DQ_BLOCK_N),
-                    v_desc=desc(H.DQ_BLOCK_N), LSE=floats, DELTA=floats, DQ=x, END=ints, sm_scale=0.1, stride_rows=1000,
-                    **lists, **scalars, **{f"stride_dq{d}": v for d, v in strides.items()})  # fmt: skip
+        args = dict(
+            q_desc=desc(H.DQ_BLOCK_M),
+            do_desc=desc(H.DQ_BLOCK_M),
+            k_desc=desc(H.DQ_BLOCK_N),
+            v_desc=desc(H.DQ_BLOCK_N),
+            LSE=floats,
+            DELTA=floats,
+            DQ=x,
+            END=ints,
+            sm_scale=0.1,
+            stride_rows=1000,
+            **lists,
+            **scalars,
+            **{f"stride_dq{d}": v for d, v in strides.items()},
+        )
     names = inspect.signature(kernel.fn).parameters
     signature = {n: "constexpr" if n == "STAGES" else mangle_type(args[n]) for n in names}
     source = GluonASTSource(kernel, signature, constexprs={"STAGES": stages})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
     ptx = compiled.asm["ptx"]
-    return {"kernel": kernel_name, "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-            "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx}
+    return {
+        "kernel": kernel_name,
+        "num_warps": compiled.metadata.num_warps,
+        "shared": compiled.metadata.shared,
+        "wgmma": "wgmma.mma_async" in ptx,
+        "setmaxnreg": "setmaxnreg" in ptx,
+    }
 
 
 @pytest.mark.kernel
@@ -85,11 +128,19 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
 def test_compiles_for_hopper():
     """In a process of its own: Triton's interpreter (the CPU suite's mode) replaces the jit functions
     Gluon's reductions are built from, so the compiler cannot run beside it."""
-    code = ("import json, tests.test_attention_hopper as t; print(json.dumps([t.compile_for_hopper(k, d, n) "
-            "for k in ('forward', 'dkdv', 'dq') for d in (64, 128) for n in ('bfloat16', 'float16')]))")
+    code = (
+        "import json, tests.test_attention_hopper as t; print(json.dumps([t.compile_for_hopper(k, d, n) "
+        "for k in ('forward', 'dkdv', 'dq') for d in (64, 128) for n in ('bfloat16', 'float16')]))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parent.parent)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).parent.parent,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     reports = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(reports) == 12
@@ -133,9 +184,11 @@ def _case(name):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def qkv(B, Hq, Hkv, Tq, Tk, D, dtype=torch.bfloat16):
-        return (torch.randn(B, Hq, Tq, D, generator=g, device="cuda", dtype=dtype),
-                torch.randn(B, Hkv, Tk, D, generator=g, device="cuda", dtype=dtype),
-                torch.randn(B, Hkv, Tk, D, generator=g, device="cuda", dtype=dtype))  # fmt: skip
+        return (
+            torch.randn(B, Hq, Tq, D, generator=g, device="cuda", dtype=dtype),
+            torch.randn(B, Hkv, Tk, D, generator=g, device="cuda", dtype=dtype),
+            torch.randn(B, Hkv, Tk, D, generator=g, device="cuda", dtype=dtype),
+        )
 
     grpo = PrefixTree.from_sequences(grpo_batch(1, 700, 5, 300)).subtree_end.cuda()
     T = grpo.numel()
@@ -165,8 +218,15 @@ def _case(name):
     raise ValueError(name)
 
 
-CASES = ["grpo", "gqa head dim 64, float16", "agentic", "cached prefix, odd query count", "non-finite rows",
-         "model layout, a tree per row, negative scale", "one tree for two rows"]  # fmt: skip
+CASES = [
+    "grpo",
+    "gqa head dim 64, float16",
+    "agentic",
+    "cached prefix, odd query count",
+    "non-finite rows",
+    "model layout, a tree per row, negative scale",
+    "one tree for two rows",
+]
 
 
 @pytest.mark.gpu
@@ -252,8 +312,9 @@ def _random_calls(draw):
 @pytest.mark.gpu
 @pytest.mark.kernel
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU")
-@settings(max_examples=max(4, settings.default.max_examples // 5),
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # poison_empty holds for every example
+@settings(
+    max_examples=max(4, settings.default.max_examples // 5), suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # poison_empty holds for every example
 @given(call=_random_calls())
 def test_bitwise_the_triton_kernels_on_random_trees(call):
     """The named cases above, generalised: output, LSE and every gradient bitwise the Triton kernels'."""

@@ -210,22 +210,48 @@ ATTENTION_CASES = [
         "no allowed key",
     ),
     case("tree-mask-of-list", lambda: dta_ref.tree_attention_mask([[1, 2]]), TypeError, "expected a PrefixTree"),
-    case("schedule-not-a-schedule", lambda: dta_fast.tree_attention(Q.float(), K.float(), V.float(), schedule=torch.tensor([5] * 5)),
-         TypeError, "schedule must be a TreeSchedule"),  # fmt: skip
+    case(
+        "schedule-not-a-schedule",
+        lambda: dta_fast.tree_attention(Q.float(), K.float(), V.float(), schedule=torch.tensor([5] * 5)),
+        TypeError,
+        "schedule must be a TreeSchedule",
+    ),
 ]
 
 BATCH_CASES = [
-    case("grpo-negative-groups", lambda: dta_ref.grpo_batch(num_groups=-1), ValueError, "num_groups must be at least 1"),
-    case("grpo-bool-vocab", lambda: dta_ref.grpo_batch(1, 4, 2, 3, vocab_size=True), TypeError, "vocab_size must be an int"),
-    case("grpo-float-vocab", lambda: dta_ref.grpo_batch(1, 4, 2, 3, vocab_size=2.5), TypeError, "vocab_size must be an int"),
+    case(
+        "grpo-negative-groups", lambda: dta_ref.grpo_batch(num_groups=-1), ValueError, "num_groups must be at least 1"
+    ),
+    case(
+        "grpo-bool-vocab",
+        lambda: dta_ref.grpo_batch(1, 4, 2, 3, vocab_size=True),
+        TypeError,
+        "vocab_size must be an int",
+    ),
+    case(
+        "grpo-float-vocab",
+        lambda: dta_ref.grpo_batch(1, 4, 2, 3, vocab_size=2.5),
+        TypeError,
+        "vocab_size must be an int",
+    ),
     case("grpo-empty-rollouts", lambda: dta_ref.grpo_batch(1, 0, 2, 0), ValueError, "response_len must be at least 1"),
     case("agentic-no-turns", lambda: dta_ref.agentic_batch(turns=0), ValueError, "turns must be at least 1"),
-    case("agentic-every-turn-str", lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, every_turn="no"), TypeError,
-         "every_turn must be a bool"),  # fmt: skip
-    case("agentic-negative-tool", lambda: dta_ref.agentic_batch(tool_len=-1), ValueError, "tool_len must be at least 0"),
+    case(
+        "agentic-every-turn-str",
+        lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, every_turn="no"),
+        TypeError,
+        "every_turn must be a bool",
+    ),
+    case(
+        "agentic-negative-tool", lambda: dta_ref.agentic_batch(tool_len=-1), ValueError, "tool_len must be at least 0"
+    ),
     case("grpo-negative-seed", lambda: dta_ref.grpo_batch(1, 4, 2, 3, seed=-1), ValueError, "seed must be at least 0"),
-    case("agentic-float-seed", lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, seed=1.5), TypeError,
-         "seed must be an int"),  # fmt: skip
+    case(
+        "agentic-float-seed",
+        lambda: dta_ref.agentic_batch(10, 1, 2, 1, 2, 3, 4, seed=1.5),
+        TypeError,
+        "seed must be an int",
+    ),
 ]
 
 
@@ -271,7 +297,11 @@ def test_decoder_config_rejects():
         (dict(head_dim=0), ValueError, "head_dim must be at least 1"),
         (dict(hidden_size=-64), ValueError, "hidden_size must be at least 1"),
         (dict(num_layers=2.0), TypeError, "num_layers must be an int, got float"),
-        (dict(hidden_size=64, num_heads=3, num_kv_heads=1), ValueError, r"hidden_size \(64\) must be a multiple of num_heads \(3\)"),
+        (
+            dict(hidden_size=64, num_heads=3, num_kv_heads=1),
+            ValueError,
+            r"hidden_size \(64\) must be a multiple of num_heads \(3\)",
+        ),
         (dict(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps must be a positive finite number"),
         (dict(rope_theta=0.0), ValueError, "rope_theta must be a positive finite number"),
     ],
@@ -282,8 +312,14 @@ def test_decoder_config_rejects_sizes(kwargs, exc, match):
 
 
 def test_decoder_config_takes_numpy_sizes_and_the_decoder_wants_batched_ids():
-    cfg = dta_ref.DecoderConfig(vocab_size=np.int64(11), hidden_size=np.int32(16), num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=32)  # fmt: skip
+    cfg = dta_ref.DecoderConfig(
+        vocab_size=np.int64(11),
+        hidden_size=np.int32(16),
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+    )
     assert type(cfg.vocab_size) is int and type(cfg.hidden_size) is int and cfg.head_dim == 8
     model = dta_ref.Decoder(cfg)
     assert model(torch.tensor([[1, 2]])).shape == (1, 2, 11)
@@ -309,8 +345,15 @@ def rope_llama(rope):
     """A tiny Llama whose RoPE frequencies depend on each call's largest position."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     cfg.rope_parameters = dict(rope, rope_theta=10000.0)
     cfg.rope_scaling = cfg.rope_parameters
     return transformers.LlamaForCausalLM(cfg)
@@ -380,9 +423,17 @@ LOGPROB_CASES = [
     ),
     case(
         "hf-longrope",
-        lambda: dta_ref.tree_logprobs(rope_llama({"rope_type": "longrope", "long_factor": [1.0, 2.0, 4.0, 8.0],
-                                                  "short_factor": [1.0] * 4, "original_max_position_embeddings": 4}),
-                                      TREE),  # fmt: skip
+        lambda: dta_ref.tree_logprobs(
+            rope_llama(
+                {
+                    "rope_type": "longrope",
+                    "long_factor": [1.0, 2.0, 4.0, 8.0],
+                    "short_factor": [1.0] * 4,
+                    "original_max_position_embeddings": 4,
+                }
+            ),
+            TREE,
+        ),
         ValueError,
         "rope type 'longrope' is not supported",
     ),
@@ -418,29 +469,61 @@ HEAD = torch.nn.Linear(4, TINY_VOCAB, bias=False).double()
 HIDDEN = torch.randn(TREE.num_tokens, 4, dtype=torch.float64)
 TREE_MASK = torch.ones(TREE.num_sequences, TREE.max_length - 1, dtype=torch.bool)
 LOGPROB_CASES += [
-    case("chunked-zero-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=0), ValueError,
-         "chunk_rows must be at least 1"),
-    case("chunked-float-rows", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=2.5), TypeError,
-         "chunk_rows must be an int"),
-    case("chunked-list-tree", lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, [[1, 2]]), TypeError,
-         "tree must be a PrefixTree"),
-]  # fmt: skip
+    case(
+        "chunked-zero-rows",
+        lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=0),
+        ValueError,
+        "chunk_rows must be at least 1",
+    ),
+    case(
+        "chunked-float-rows",
+        lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, TREE, chunk_rows=2.5),
+        TypeError,
+        "chunk_rows must be an int",
+    ),
+    case(
+        "chunked-list-tree",
+        lambda: dta_fast.gather_logprobs_chunked(HIDDEN, HEAD, [[1, 2]]),
+        TypeError,
+        "tree must be a PrefixTree",
+    ),
+]
 # Both packed-hidden twins: the chunked one and the reference's.
 for _twin, _gather in (("chunked", dta_fast.gather_logprobs_chunked), ("ref", dta_ref.gather_tree_logprobs)):
     LOGPROB_CASES += [
-        case(f"{_twin}-zero-temperature", lambda g=_gather: g(HIDDEN, HEAD, TREE, temperature=0.0),
-             ValueError, "temperature must be positive"),
-        case(f"{_twin}-negative-temperature", lambda g=_gather: g(HIDDEN, HEAD, TREE, temperature=-1.0),
-             ValueError, "temperature must be positive"),
+        case(
+            f"{_twin}-zero-temperature",
+            lambda g=_gather: g(HIDDEN, HEAD, TREE, temperature=0.0),
+            ValueError,
+            "temperature must be positive",
+        ),
+        case(
+            f"{_twin}-negative-temperature",
+            lambda g=_gather: g(HIDDEN, HEAD, TREE, temperature=-1.0),
+            ValueError,
+            "temperature must be positive",
+        ),
         case(f"{_twin}-hidden-rows", lambda g=_gather: g(HIDDEN[:-1], HEAD, TREE), ValueError, "packed hidden states"),
-        case(f"{_twin}-hidden-more-rows", lambda g=_gather: g(torch.cat([HIDDEN, HIDDEN]), HEAD, TREE), ValueError,
-             "packed hidden states"),
+        case(
+            f"{_twin}-hidden-more-rows",
+            lambda g=_gather: g(torch.cat([HIDDEN, HIDDEN]), HEAD, TREE),
+            ValueError,
+            "packed hidden states",
+        ),
         case(f"{_twin}-hidden-3d", lambda g=_gather: g(HIDDEN[None], HEAD, TREE), ValueError, "packed hidden states"),
-        case(f"{_twin}-float-mask", lambda g=_gather: g(HIDDEN, HEAD, TREE, mask=TREE_MASK.float()),
-             TypeError, "mask must be a bool tensor"),
-        case(f"{_twin}-mask-shape", lambda g=_gather: g(HIDDEN, HEAD, TREE, mask=TREE_MASK[:, :1]),
-             ValueError, "mask has shape"),
-    ]  # fmt: skip
+        case(
+            f"{_twin}-float-mask",
+            lambda g=_gather: g(HIDDEN, HEAD, TREE, mask=TREE_MASK.float()),
+            TypeError,
+            "mask must be a bool tensor",
+        ),
+        case(
+            f"{_twin}-mask-shape",
+            lambda g=_gather: g(HIDDEN, HEAD, TREE, mask=TREE_MASK[:, :1]),
+            ValueError,
+            "mask has shape",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("fn,exc,match", LOGPROB_CASES)
@@ -462,9 +545,14 @@ def test_trees_changed_by_hand_are_refused_by_the_scoring_entry_points():
     shuffled = dataclasses.replace(TREE, seq_index=TREE.seq_index.flip(1).clone())
     parent = TREE.parent.clone()
     parent[1] = TREE.num_tokens + 3
-    for tree, match in ((shuffled, "is not a root-to-node path|lengths"), (dataclasses.replace(TREE, parent=parent),
-                                                                           "is not the token above 1")):  # fmt: skip
-        for gather in (lambda t: gather_logprobs_chunked(hidden, head, t), lambda t: gather_tree_logprobs(hidden, head, t)):
+    for tree, match in (
+        (shuffled, "is not a root-to-node path|lengths"),
+        (dataclasses.replace(TREE, parent=parent), "is not the token above 1"),
+    ):
+        for gather in (
+            lambda t: gather_logprobs_chunked(hidden, head, t),
+            lambda t: gather_tree_logprobs(hidden, head, t),
+        ):
             with pytest.raises(ValueError, match=match):
                 gather(tree)
 
@@ -594,59 +682,139 @@ LOSS_CASES += [
     case("loss-negative-index", lambda: SFT(-1, LP[0]), ValueError, "sequence index -1 is out of range"),
     case("loss-float-index", lambda: SFT(1.0, LP[0]), TypeError, "sequence index must be an int"),
     case("loss-rows-past-the-batch", lambda: SFT.rows([5]), ValueError, "index must be 1-D sequence indices"),
-    case("padded-float-column", lambda: LAYOUT.to_tree(torch.ones(2, 3), 2.5), TypeError,
-         "first_column must be an int"),
-    case("padded-bool-column", lambda: LAYOUT.to_tree(torch.ones(2, 3), True), TypeError,
-         "first_column must be an int"),
-    case("padded-nan-fill-of-ints", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.long), 1, fill=float("nan")),
-         ValueError, "fill must be a whole number"),
+    case(
+        "padded-float-column", lambda: LAYOUT.to_tree(torch.ones(2, 3), 2.5), TypeError, "first_column must be an int"
+    ),
+    case(
+        "padded-bool-column", lambda: LAYOUT.to_tree(torch.ones(2, 3), True), TypeError, "first_column must be an int"
+    ),
+    case(
+        "padded-nan-fill-of-ints",
+        lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.long), 1, fill=float("nan")),
+        ValueError,
+        "fill must be a whole number",
+    ),
     case("padded-from-list", lambda: LAYOUT.from_tree([[1.0, 1.0]] * 2, 1, 2), TypeError, "values must be a tensor"),
-    case("padded-negative-columns", lambda: LAYOUT.from_tree(torch.ones(2, 3), 1, -1), ValueError,
-         "columns must be a non-negative int"),
+    case(
+        "padded-negative-columns",
+        lambda: LAYOUT.from_tree(torch.ones(2, 3), 1, -1),
+        ValueError,
+        "columns must be a non-negative int",
+    ),
     case("response-mask-of-bools", lambda: TREE.response_mask([True, True]), ValueError, "prompt_lengths must be"),
     case("response-mask-of-none", lambda: TREE.response_mask(None), TypeError, "prompt_lengths must be 2 integers"),
     case("response-mask-of-a-string", lambda: TREE.response_mask("ab"), TypeError, "prompt_lengths must be 2 integers"),
-    case("response-mask-of-floats", lambda: TREE.response_mask([2.0, 2]), TypeError,
-         "prompt_lengths must be integers, got torch.float32"),  # fmt: skip
-    case("mask-from-a-list", lambda: dta_ref.mask_from_subtree_end([3, 3, 3], torch.arange(3)), TypeError,
-         "subtree_end must be an integer tensor"),  # fmt: skip
-    case("mask-from-floats", lambda: dta_ref.mask_from_subtree_end(torch.tensor([2.5, 3.0, 3.0]), torch.arange(3)),
-         TypeError, "subtree_end must be an integer tensor"),  # fmt: skip
-    case("mask-at-float-positions", lambda: dta_ref.mask_from_subtree_end(torch.tensor([3, 3, 3]), torch.ones(3)),
-         TypeError, "query_positions must be an integer tensor"),  # fmt: skip
-    case("response-mask-a-bool-among-ints", lambda: TREE.response_mask([True] + [2] * (TREE.num_sequences - 1)),
-         ValueError, "got a bool"),  # fmt: skip
-    case("padded-fill-wraps", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.uint8), 1, fill=-1), ValueError,
-         "fill -1 does not fit values of dtype torch.uint8"),  # fmt: skip
-    case("padded-fill-past-int64", lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.long), 1, fill=2**70),
-         ValueError, "does not fit"),  # fmt: skip
-    case("padded-fill-past-float32", lambda: LAYOUT.to_tree(torch.ones(2, 3), 1, fill=1e300), ValueError,
-         "does not fit values of dtype torch.float32"),  # fmt: skip
+    case(
+        "response-mask-of-floats",
+        lambda: TREE.response_mask([2.0, 2]),
+        TypeError,
+        "prompt_lengths must be integers, got torch.float32",
+    ),
+    case(
+        "mask-from-a-list",
+        lambda: dta_ref.mask_from_subtree_end([3, 3, 3], torch.arange(3)),
+        TypeError,
+        "subtree_end must be an integer tensor",
+    ),
+    case(
+        "mask-from-floats",
+        lambda: dta_ref.mask_from_subtree_end(torch.tensor([2.5, 3.0, 3.0]), torch.arange(3)),
+        TypeError,
+        "subtree_end must be an integer tensor",
+    ),
+    case(
+        "mask-at-float-positions",
+        lambda: dta_ref.mask_from_subtree_end(torch.tensor([3, 3, 3]), torch.ones(3)),
+        TypeError,
+        "query_positions must be an integer tensor",
+    ),
+    case(
+        "response-mask-a-bool-among-ints",
+        lambda: TREE.response_mask([True] + [2] * (TREE.num_sequences - 1)),
+        ValueError,
+        "got a bool",
+    ),
+    case(
+        "padded-fill-wraps",
+        lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.uint8), 1, fill=-1),
+        ValueError,
+        "fill -1 does not fit values of dtype torch.uint8",
+    ),
+    case(
+        "padded-fill-past-int64",
+        lambda: LAYOUT.to_tree(torch.ones(2, 3, dtype=torch.long), 1, fill=2**70),
+        ValueError,
+        "does not fit",
+    ),
+    case(
+        "padded-fill-past-float32",
+        lambda: LAYOUT.to_tree(torch.ones(2, 3), 1, fill=1e300),
+        ValueError,
+        "does not fit values of dtype torch.float32",
+    ),
     case("tree-to-a-dtype", lambda: TREE.to(torch.float16), TypeError, "takes a device, got the dtype torch.float16"),
-    case("step-bytes-of-a-list", lambda: dta_fast.estimated_step_bytes(tiny_decoder(), [[1, 2]], 2), TypeError,
-         "expected a PrefixTree"),
-    case("budget-of-a-list", lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), [[1, 2]], 10**6), TypeError,
-         "expected a PrefixTree"),
-    case("recompute-a-string", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE), recompute="no"),
-         TypeError, "recompute must be True, False or None"),
-    case("checkpoint-layers-a-string", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE),
-                                                                      checkpoint_layers="yes"),
-         TypeError, "checkpoint_layers must be True, False or None, got 'yes'"),
-    case("loss-the-class", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, dta_ref.SFTLoss), TypeError,
-         "loss_fn is the class SFTLoss: pass an instance"),
-    case("loss-complex", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, lambda i, lp: lp.sum() * 1j), ValueError,
-         "loss_fn must return a real scalar tensor; for sequence 0 it returned a torch.complex"),
-    case("loss-a-float", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, lambda i, lp: 1.0), ValueError,
-         "loss_fn must return a real scalar tensor; for sequence 0 it returned float"),
+    case(
+        "step-bytes-of-a-list",
+        lambda: dta_fast.estimated_step_bytes(tiny_decoder(), [[1, 2]], 2),
+        TypeError,
+        "expected a PrefixTree",
+    ),
+    case(
+        "budget-of-a-list",
+        lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), [[1, 2]], 10**6),
+        TypeError,
+        "expected a PrefixTree",
+    ),
+    case(
+        "recompute-a-string",
+        lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE), recompute="no"),
+        TypeError,
+        "recompute must be True, False or None",
+    ),
+    case(
+        "checkpoint-layers-a-string",
+        lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE), checkpoint_layers="yes"),
+        TypeError,
+        "checkpoint_layers must be True, False or None, got 'yes'",
+    ),
+    case(
+        "loss-the-class",
+        lambda: dta_fast.tree_backward(tiny_decoder(), TREE, dta_ref.SFTLoss),
+        TypeError,
+        "loss_fn is the class SFTLoss: pass an instance",
+    ),
+    case(
+        "loss-complex",
+        lambda: dta_fast.tree_backward(tiny_decoder(), TREE, lambda i, lp: lp.sum() * 1j),
+        ValueError,
+        "loss_fn must return a real scalar tensor; for sequence 0 it returned a torch.complex",
+    ),
+    case(
+        "loss-a-float",
+        lambda: dta_fast.tree_backward(tiny_decoder(), TREE, lambda i, lp: 1.0),
+        ValueError,
+        "loss_fn must return a real scalar tensor; for sequence 0 it returned float",
+    ),
     # ints past float's range: the checks' own errors, not an OverflowError from float()
-    case("budget-past-the-floats", lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), TREE, 10**400),
-         ValueError, "memory_budget_bytes must be a finite positive number"),
-    case("temperature-past-the-floats", lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE),
-                                                                       temperature=10**400),
-         ValueError, "temperature must be positive and finite"),
-    case("cost-past-the-floats", lambda: dta_fast.CostModel(token=10**400), ValueError,
-         "CostModel.token must be finite and non-negative"),
-]  # fmt: skip
+    case(
+        "budget-past-the-floats",
+        lambda: dta_fast.chunk_tokens_for_budget(tiny_decoder(), TREE, 10**400),
+        ValueError,
+        "memory_budget_bytes must be a finite positive number",
+    ),
+    case(
+        "temperature-past-the-floats",
+        lambda: dta_fast.tree_backward(tiny_decoder(), TREE, SFTLoss_of(TREE), temperature=10**400),
+        ValueError,
+        "temperature must be positive and finite",
+    ),
+    case(
+        "cost-past-the-floats",
+        lambda: dta_fast.CostModel(token=10**400),
+        ValueError,
+        "CostModel.token must be finite and non-negative",
+    ),
+]
 
 
 def SFTLoss_of(tree):

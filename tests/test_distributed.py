@@ -111,7 +111,11 @@ def _check_rank(world, kind, wrap_ddp, generic, chunk, batch, expected, shards=N
         model = torch.nn.parallel.DistributedDataParallel(model)
     loss_fn = _generic_loss(adv) if generic else PolicyGradientLoss(old, adv, mask, 0.2, 0.28, "token_mean")
     logprobs, loss, indices = dta_fast.distributed_tree_backward(
-        model, sequences, loss_fn, max_chunk_tokens=chunk, plan=shards  # a forced plan, e.g. with empty shards
+        model,
+        sequences,
+        loss_fn,
+        max_chunk_tokens=chunk,
+        plan=shards,  # a forced plan, e.g. with empty shards
     )
     module = model.module if wrap_ddp else model
     # transformers runs RMSNorm in float32 even in a float64 model (CONTRIBUTING.md, tolerance policy)
@@ -185,18 +189,22 @@ def _empty_shard_worker(rank, world, init_file):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1, 2, 3]], lambda i, lp: lp.sum())
         # a bad plan fails on every rank (rank 0 checks it and tells the others), no hang
         with pytest.raises(ValueError, match="exactly one rank"):
-            dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2], [3]], lambda i, lp: lp.sum(), plan=[[0], [0, 2]])
+            dta_fast.distributed_tree_backward(
+                _model("decoder"), [[1], [2], [3]], lambda i, lp: lp.sum(), plan=[[0], [0, 2]]
+            )
         with pytest.raises(ValueError, match="one list of sequence indices per rank"):
             dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(), plan=[[0, 1]])
         for index in (1.9, float("inf"), True):  # not truncated or read as 1; no rank left waiting in the broadcast
             with pytest.raises(TypeError, match="integer sequence indices"):
-                dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum(),
-                                                   plan=[[0], [index]])  # fmt: skip
+                dta_fast.distributed_tree_backward(
+                    _model("decoder"), [[1], [2]], lambda i, lp: lp.sum(), plan=[[0], [index]]
+                )
         # errors name sequences by their index in the batch, not in a rank's shard
         sequences = [[1, 2], [3, 4], [5, 6], [7, -8]]
         with pytest.raises(ValueError, match="sequence 3: tokens must be non-negative"):
-            dta_fast.distributed_tree_backward(_model("decoder"), sequences, lambda i, lp: lp.sum(),
-                                               plan=[[0, 1], [2, 3]])  # fmt: skip
+            dta_fast.distributed_tree_backward(
+                _model("decoder"), sequences, lambda i, lp: lp.sum(), plan=[[0, 1], [2, 3]]
+            )
         # a loss built for other lengths is refused as on one process, not cut to each shard's width
         sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3], [9, 10, 11]]
         mask = torch.zeros(3, 7, dtype=torch.bool)
@@ -213,7 +221,9 @@ def _empty_shard_worker(rank, world, init_file):
         if rank == 0:
             distributed.partition = lambda *args: (_ for _ in ()).throw(KeyboardInterrupt("stop"))
         try:
-            expected = (KeyboardInterrupt, "stop") if rank == 0 else (RuntimeError, "on rank 0 while planning: Keyboard")
+            expected = (
+                (KeyboardInterrupt, "stop") if rank == 0 else (RuntimeError, "on rank 0 while planning: Keyboard")
+            )
             with pytest.raises(expected[0], match=expected[1]):
                 dta_fast.distributed_tree_backward(_model("decoder"), [[1], [2]], lambda i, lp: lp.sum())
         finally:
@@ -449,8 +459,11 @@ def _check_fsdp_peft_rank(world, shard_layers, targets, expected):
         torch.testing.assert_close(p.grad.full_tensor(), g, rtol=0, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("shard_layers,targets", [(False, ["q_proj", "v_proj"]), (True, ["lm_head"])],
-                         ids=["root_only", "adapters_in_the_root_group"])  # fmt: skip
+@pytest.mark.parametrize(
+    "shard_layers,targets",
+    [(False, ["q_proj", "v_proj"]), (True, ["lm_head"])],
+    ids=["root_only", "adapters_in_the_root_group"],
+)
 def test_fsdp2_peft_root(tmp_path, shard_layers, targets):
     """Every trainable parameter in the root's group (the root sharded alone, or LoRA on the head only):
     no sharded module below the root trains, and the root's hooks do not run under PEFT, so the reduction
@@ -646,8 +659,12 @@ def _check_errors_agreed(rank, world):
 
     cases = [
         (other_batch, ValueError, r"rank 1: ValueError: sequence 3 differs from rank 0's: every rank must pass"),
-        (shorter_batch, ValueError, rf"rank 1: ValueError: this rank's batch has {len(sequences) - 1} sequences, "
-                                    rf"rank 0's {len(sequences)}"),  # fmt: skip
+        (
+            shorter_batch,
+            ValueError,
+            rf"rank 1: ValueError: this rank's batch has {len(sequences) - 1} sequences, "
+            rf"rank 0's {len(sequences)}",
+        ),
         (bad_token, ValueError, rf"rank 1: ValueError: token id {vocab + 7} is out of range"),
         (wrong_shape, ValueError, r"rank 1: ValueError: loss_fn was built for logprobs of shape"),
         (mask_past_end, ValueError, r"rank 1: ValueError: the loss mask is True at step"),
@@ -662,6 +679,7 @@ def _check_errors_agreed(rank, world):
         assert time.monotonic() - start < 20, f"{make.__name__}: the ranks took too long to agree"
         for p, g in zip(model.parameters(), before):  # .grad as before the call
             assert torch.equal(p.grad, g)
+
     # a SystemExit (or KeyboardInterrupt) inside one rank's step stays itself there; the other rank is
     # told, instead of waiting in a collective for the group's timeout
     def exits(i, lp):
@@ -679,10 +697,15 @@ def _check_errors_agreed(rank, world):
     # models that would pair collectives of other shapes, or another number of them, are refused first
     weight = model.embed.weight
     for change, match in [
-        (lambda: weight.requires_grad_(rank == 0), r"rank 1: ValueError: trainable parameter 'layers.0.*' is .* "
-                                                   r"here, 'embed.weight' \[64, 32\] torch.float64 on rank 0"),
-        (lambda: setattr(weight, "data", weight.data.to(torch.float64 if rank == 0 else torch.float32)),
-         r"rank 1: ValueError: trainable parameter 'embed.weight' is \[64, 32\] torch.float32 here"),
+        (
+            lambda: weight.requires_grad_(rank == 0),
+            r"rank 1: ValueError: trainable parameter 'layers.0.*' is .* "
+            r"here, 'embed.weight' \[64, 32\] torch.float64 on rank 0",
+        ),
+        (
+            lambda: setattr(weight, "data", weight.data.to(torch.float64 if rank == 0 else torch.float32)),
+            r"rank 1: ValueError: trainable parameter 'embed.weight' is \[64, 32\] torch.float32 here",
+        ),
     ]:
         change()
         with pytest.raises(ValueError, match=match):
@@ -693,8 +716,10 @@ def _check_errors_agreed(rank, world):
             assert torch.equal(p.grad, g)
     # a bad option passed by the rank whose shard is empty is refused there too, not skipped
     everything = [list(range(len(sequences))), []]
-    for bad, exc, match in ((dict(max_chunk_tokens=0), ValueError, "max_chunk_tokens must be >= 1"),
-                            (dict(max_chunk_token=8), TypeError, "unexpected keyword argument 'max_chunk_token'")):  # fmt: skip
+    for bad, exc, match in (
+        (dict(max_chunk_tokens=0), ValueError, "max_chunk_tokens must be >= 1"),
+        (dict(max_chunk_token=8), TypeError, "unexpected keyword argument 'max_chunk_token'"),
+    ):
         with pytest.raises(exc, match=f"rank 1: {exc.__name__}: .*{match}"):
             dta_fast.distributed_tree_backward(model, sequences, good, plan=everything, **(bad if rank == 1 else {}))
         for p, g in zip(model.parameters(), before):

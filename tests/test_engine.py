@@ -10,9 +10,9 @@ import torch
 
 import dta_fast
 import dta_ref
-from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
 from dta_fast.chunked import Forest, MemoryModel, checked_options, engine, plan_chunks, plan_for_budget
 from dta_fast.chunked.budget import choose_plan, largest_fitting_plan, step_cost
+from dta_ref import PolicyGradientLoss, PrefixTree, SFTLoss, agentic_batch, grpo_batch
 from tests.helpers import assert_grads_close, param_grads, tiny_decoder, tiny_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,7 +146,9 @@ def test_memory_budget_chooses_chunks():
             assert chosen >= size and dta_fast.estimated_step_bytes(model, tree, chosen, recompute) <= budget
             if chosen < tree.num_tokens:
                 assert dta_fast.estimated_step_bytes(model, tree, chosen + 1, recompute) > budget
-        smallest = min(dta_fast.estimated_step_bytes(model, tree, size, recompute) for size in range(1, tree.num_tokens + 1))
+        smallest = min(
+            dta_fast.estimated_step_bytes(model, tree, size, recompute) for size in range(1, tree.num_tokens + 1)
+        )
         with pytest.raises(ValueError, match="too small"):
             dta_fast.chunk_tokens_for_budget(model, tree, smallest - 1, recompute)
     _, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
@@ -171,7 +173,9 @@ def test_budget_sizing_counts_checkpointed_layers():
             assert chosen >= size
             assert dta_fast.estimated_step_bytes(model, tree, chosen, checkpoint_layers=checkpoint_layers) <= budget
             if chosen < tree.num_tokens:
-                assert dta_fast.estimated_step_bytes(model, tree, chosen + 1, checkpoint_layers=checkpoint_layers) > budget
+                assert (
+                    dta_fast.estimated_step_bytes(model, tree, chosen + 1, checkpoint_layers=checkpoint_layers) > budget
+                )
     with pytest.raises(TypeError, match="checkpoint_layers must be True, False or None"):
         dta_fast.chunk_tokens_for_budget(plain, tree, 10**9, checkpoint_layers="yes")
 
@@ -225,7 +229,9 @@ def test_budget_trades_the_head_window_for_larger_chunks(monkeypatch):
     def default_window_plans(budget):
         for mode in (False, True):
             try:
-                yield largest_fitting_plan(memory, forest, budget, recompute=mode, tolerance=1 / 32, logits_rows=memory.logits_rows)
+                yield largest_fitting_plan(
+                    memory, forest, budget, recompute=mode, tolerance=1 / 32, logits_rows=memory.logits_rows
+                )
             except ValueError:
                 pass
 
@@ -286,9 +292,13 @@ def test_engine_checkpoints_layers(kind, chunk, recompute):
         calls.clear()
         model.zero_grad(set_to_none=True)
         lp, _ = dta_fast.tree_backward(
-            model, tree, SFTLoss(tree.logprob_mask, "sum"), max_chunk_tokens=chunk, recompute=recompute,
+            model,
+            tree,
+            SFTLoss(tree.logprob_mask, "sum"),
+            max_chunk_tokens=chunk,
+            recompute=recompute,
             checkpoint_layers=checkpoint,
-        )  # fmt: skip
+        )
         runs[checkpoint] = len(calls)
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=rel)
         assert_grads_close(grads_of(model), ref_grads, rel=rel)
@@ -314,7 +324,9 @@ def test_layers_the_model_checkpoints_are_counted():
     assert memory.model_checkpoints and memory.activation < MemoryModel.of(tiny_hf_model("qwen2")).activation
     for checkpoint in (None, False, True):
         assert dta_fast.estimated_step_bytes(model, tree, 5, True, checkpoint) == plain[True]
-    plan = choose_plan(model, tree, torch.device("cpu"), checked_options(memory_budget_bytes=10**9, checkpoint_layers=False))
+    plan = choose_plan(
+        model, tree, torch.device("cpu"), checked_options(memory_budget_bytes=10**9, checkpoint_layers=False)
+    )
     assert plan.checkpoint_layers
     calls = _count_layer_forwards(model)
     dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=5, checkpoint_layers=True)
@@ -356,7 +368,12 @@ def test_budget_checkpoints_layers_where_that_is_cheaper():
         model.zero_grad(set_to_none=True)
         options = dict(memory_budget_bytes=chosen[0], checkpoint_layers=checkpoint)
         dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), **options)
-        plan = choose_plan(model, tree, torch.device("cpu"), checked_options(memory_budget_bytes=chosen[0], checkpoint_layers=checkpoint))
+        plan = choose_plan(
+            model,
+            tree,
+            torch.device("cpu"),
+            checked_options(memory_budget_bytes=chosen[0], checkpoint_layers=checkpoint),
+        )
         passes = plan.num_chunks * (2 if checkpoint is None else 1) + int((~plan.keeps_graph).sum())
         assert plan.checkpoint_layers == (checkpoint is None) and len(calls) == passes * len(model.layers)
         assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
@@ -581,9 +598,7 @@ def test_checkpointed_layers(use_reentrant, recompute, chunk):
     ref_lp, _, ref_grads = flat_reference(model, seqs, lambda lp: dta_ref.sft_loss(lp, tree.logprob_mask))
     model.layers = torch.nn.ModuleList(_CheckpointedLayer(layer, use_reentrant) for layer in model.layers)
     model.zero_grad(set_to_none=True)
-    lp, _ = dta_fast.tree_backward(
-        model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=chunk, recompute=recompute
-    )
+    lp, _ = dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=chunk, recompute=recompute)
     torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)
     grads = {name.replace(".layer.", "."): g for name, g in grads_of(model).items()}
     assert_grads_close(grads, ref_grads, rel=1e-11)
@@ -646,9 +661,11 @@ def test_a_module_the_forward_does_not_run_keeps_no_gradient(loss):
     assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("value_head"))
     flat = dta_ref.flat_logprobs(model, seqs)
     want = torch.autograd.grad(-flat[1, 0], [p for n, p in model.named_parameters() if not n.startswith("value")])
-    assert_grads_close({n: p.grad for n, p in model.named_parameters() if not n.startswith("value")},
-                       dict(zip([n for n, _ in model.named_parameters() if not n.startswith("value")], want)),
-                       rel=1e-11)  # fmt: skip
+    assert_grads_close(
+        {n: p.grad for n, p in model.named_parameters() if not n.startswith("value")},
+        dict(zip([n for n, _ in model.named_parameters() if not n.startswith("value")], want)),
+        rel=1e-11,
+    )
 
 
 def test_a_generic_loss_may_change_its_argument_in_place():
@@ -671,8 +688,9 @@ def test_a_generic_loss_may_change_its_argument_in_place():
     assert_grads_close(grads_of(model), ref_grads, rel=1e-11)
 
 
-@pytest.mark.parametrize("dtype,accumulator", [(torch.bfloat16, 4), (torch.float16, 4), (torch.float32, 4),
-                                               (torch.float64, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,accumulator", [(torch.bfloat16, 4), (torch.float16, 4), (torch.float32, 4), (torch.float64, 8)]
+)
 def test_estimate_counts_kv_gradients_in_float32_at_least(dtype, accumulator):
     """An open chunk's K/V per token: 2 layers x (K, V) x 2 KV heads x head dim 8 elements, in the model's
     dtype, and their gradient accumulators in float32 at least (half-precision models included)."""
@@ -819,8 +837,9 @@ def test_frozen_model_scores_without_backward():
 def _lora_with_dropout(p=0.3):
     """A tiny Qwen2 with PEFT LoRA whose dropout (p) is active: training mode."""
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=p,
-                             init_lora_weights=False)  # fmt: skip
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=p, init_lora_weights=False
+    )
     dtype = torch.float32 if DEVICE == "cuda" else torch.float64  # on a GPU: the kernels and CUDA's generator
     model = peft.get_peft_model(tiny_hf_model("qwen2", dtype, "eager", seed=3).to(DEVICE), config)
     return model.train()

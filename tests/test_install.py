@@ -19,8 +19,9 @@ def run_without_triton(code: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter in which ``import triton`` fails, as where Triton is not installed."""
     prelude = "import sys; sys.modules['triton'] = None\n"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_dta_fast_runs_the_reference_without_triton():

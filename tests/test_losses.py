@@ -256,8 +256,13 @@ def test_token_loss_moves_every_tensor_once():
         meta = loss.to("meta")
         assert type(meta) is type(loss) and meta is not loss
         tensors = [v for v in vars(meta).values() if isinstance(v, torch.Tensor)]
-        tensors += [v for inner in vars(meta).values() if hasattr(inner, "weights") for v in vars(inner).values()
-                    if isinstance(v, torch.Tensor)]  # fmt: skip
+        tensors += [
+            v
+            for inner in vars(meta).values()
+            if hasattr(inner, "weights")
+            for v in vars(inner).values()
+            if isinstance(v, torch.Tensor)
+        ]
         assert tensors and all(t.device.type == "meta" for t in tensors)
         assert all(v.device.type == "cpu" for v in vars(loss).values() if isinstance(v, torch.Tensor))
         seq, step = torch.tensor([0, 0]), torch.tensor([0, 2])
@@ -275,8 +280,10 @@ def test_token_loss_rows_is_the_loss_of_those_sequences(nested):
         assert one.shape == (1, 3)
         assert torch.equal(one.terms(seq, step, LOGPROBS[i]), pg.terms(seq + i, step, LOGPROBS[i]))
     assert pg.rows([1], 2).shape == (1, 2)
-    assert torch.equal(pg.rows([1, 0]).terms(torch.tensor([1]), torch.tensor([2]), LOGPROBS[0, 2:]),
-                       pg.terms(torch.tensor([0]), torch.tensor([2]), LOGPROBS[0, 2:]))  # fmt: skip
+    assert torch.equal(
+        pg.rows([1, 0]).terms(torch.tensor([1]), torch.tensor([2]), LOGPROBS[0, 2:]),
+        pg.terms(torch.tensor([0]), torch.tensor([2]), LOGPROBS[0, 2:]),
+    )
     whole = sum(pg(i, LOGPROBS[i]) for i in range(2))
     assert torch.allclose(pg.rows([0])(0, LOGPROBS[0]) + pg.rows([1])(0, LOGPROBS[1]), whole, rtol=1e-14)
     with pytest.raises(ValueError, match="width"):
@@ -289,8 +296,11 @@ def test_token_loss_rows_is_the_loss_of_those_sequences(nested):
         with pytest.raises(TypeError, match="width must be an int"):
             pg.rows([0], width)
     assert pg.rows([]).shape == (0, 3) and pg.rows(torch.tensor([1], dtype=torch.int32), 2).shape == (1, 2)
-    for lengths, match in (([4, 3], "1-D integer tensor"), (torch.tensor([[4], [3]]), "1-D integer tensor"),
-                           (torch.tensor([4.0, 3.5]), "1-D integer tensor")):  # fmt: skip
+    for lengths, match in (
+        ([4, 3], "1-D integer tensor"),
+        (torch.tensor([[4], [3]]), "1-D integer tensor"),
+        (torch.tensor([4.0, 3.5]), "1-D integer tensor"),
+    ):
         with pytest.raises(TypeError, match=match):
             pg.check_lengths(lengths)
     pg.check_lengths(torch.tensor([4, 4]))

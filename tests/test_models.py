@@ -132,8 +132,9 @@ def test_sliding_window_flag_without_sliding_layers():
     import transformers
 
     base = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6).config.to_dict()
-    cfg = transformers.Qwen2Config(**{**base, "use_sliding_window": True, "sliding_window": 3,
-                                      "max_window_layers": 28, "layer_types": None})  # fmt: skip
+    cfg = transformers.Qwen2Config(
+        **{**base, "use_sliding_window": True, "sliding_window": 3, "max_window_layers": 28, "layer_types": None}
+    )
     assert "sliding_attention" not in cfg.layer_types
     torch.manual_seed(6)
     assert_matches_each_rollout_alone(transformers.Qwen2ForCausalLM(cfg).to(DEVICE).eval())
@@ -144,8 +145,9 @@ def sliding_qwen2(window: int):
     import transformers
 
     base = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6).config.to_dict()
-    cfg = transformers.Qwen2Config(**{**base, "use_sliding_window": True, "sliding_window": window,
-                                      "max_window_layers": 0, "layer_types": None})  # fmt: skip
+    cfg = transformers.Qwen2Config(
+        **{**base, "use_sliding_window": True, "sliding_window": window, "max_window_layers": 0, "layer_types": None}
+    )
     assert set(cfg.layer_types) == {"sliding_attention"}
     torch.manual_seed(6)
     return transformers.Qwen2ForCausalLM(cfg).to(DEVICE).eval()
@@ -183,8 +185,9 @@ def test_peft_trainable_tokens():
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 7, 9],
-                        init_lora_weights=False)  # fmt: skip
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 7, 9], init_lora_weights=False
+    )
     model = get_peft_model(tiny_hf_model("llama", torch.float32, "sdpa", seed=6).to(DEVICE), config)
     assert dta_ref.adapt(model).vocab_size == 64
     assert_matches_each_rollout_alone(model)
@@ -196,8 +199,10 @@ def test_peft_prompt_learning_is_refused():
     pytest.importorskip("peft")
     from peft import PrefixTuningConfig, PromptTuningConfig, get_peft_model
 
-    for config in (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
-                   PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)):  # fmt: skip
+    for config in (
+        PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+    ):
         model = get_peft_model(tiny_hf_model("qwen2", torch.float32, "sdpa", seed=6), config)
         with pytest.raises(TypeError, match="adds virtual tokens"):
             dta_fast.tree_logprobs(model, TREE, attention_impl="kernel")
@@ -241,7 +246,9 @@ def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
     pytest.importorskip("peft")
     model = checkpointing(lora_model("qwen2", seed=12), reentrant=False)
     choose, windows = dta_fast.chunked.engine.choose_plan, []
-    monkeypatch.setattr(dta_fast.chunked.engine, "choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2))
+    monkeypatch.setattr(
+        dta_fast.chunked.engine, "choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2)
+    )
 
     def recording(hidden, head, head_rows, *args):
         windows.extend(w.row_hi - w.row_lo for w in head_rows.windows)
@@ -298,8 +305,11 @@ def test_layers_compiled_one_by_one(compile_, fullgraph):
             layer.compile(backend="eager", fullgraph=fullgraph)
     assert dta_ref.adapt(model).compiled_whole_graph == fullgraph
     torch._dynamo.reset()
-    for options in (dict(max_chunk_tokens=4, recompute=False), dict(max_chunk_tokens=4, recompute=True),
-                    dict(max_chunk_tokens=7, recompute=False, checkpoint_layers=True)):  # fmt: skip
+    for options in (
+        dict(max_chunk_tokens=4, recompute=False),
+        dict(max_chunk_tokens=4, recompute=True),
+        dict(max_chunk_tokens=7, recompute=False, checkpoint_layers=True),
+    ):
         assert_tree_backward_matches_each_rollout_alone(model, **options)
     assert_matches_each_rollout_alone(model)
 
@@ -376,7 +386,7 @@ def test_logprobs_and_entropy_with_a_mask(temperature):
         torch.testing.assert_close(out.entropy, want_ent, rtol=1e-5, atol=1e-5)
         got = torch.autograd.grad((out.logprobs * w_lp + out.entropy * w_ent).sum(), list(model.parameters()))
         got, flat = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in want])
-        assert float((got - flat).norm() / flat.norm()) < 1e-5, getattr(twin, 'func', twin).__module__
+        assert float((got - flat).norm() / flat.norm()) < 1e-5, getattr(twin, "func", twin).__module__
     with pytest.raises(ValueError, match="mask has shape"):
         dta_fast.tree_logprobs(model, TREE, mask=mask[:, 1:], attention_impl="kernel")
     with pytest.raises(TypeError, match="bool tensor"):
@@ -430,8 +440,10 @@ def test_fused_head_over_windows(entropy):
         want = torch.stack([want, -(logp.exp() * logp).sum(-1)[rows]])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     weights = torch.randn_like(want)  # a loss that reads every output differently
-    for g_got, g_want in zip(torch.autograd.grad((got * weights).sum(), [hidden, head.weight]),
-                             torch.autograd.grad((want * weights).sum(), [hidden, head.weight])):  # fmt: skip
+    for g_got, g_want in zip(
+        torch.autograd.grad((got * weights).sum(), [hidden, head.weight]),
+        torch.autograd.grad((want * weights).sum(), [hidden, head.weight]),
+    ):
         torch.testing.assert_close(g_got, g_want, rtol=1e-11, atol=1e-11)
 
 
@@ -502,7 +514,9 @@ def test_unfused_head_keeps_no_logits_for_the_backward(hidden_trains):
     assert max(saved) < 8 * V  # under one window of logits: the windows are recomputed, not kept
     want = torch.log_softmax(head(hidden), -1)[rows, targets]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for g_got, g_want in zip(torch.autograd.grad(got.sum(), head.parameters()), torch.autograd.grad(want.sum(), head.parameters())):
+    for g_got, g_want in zip(
+        torch.autograd.grad(got.sum(), head.parameters()), torch.autograd.grad(want.sum(), head.parameters())
+    ):
         torch.testing.assert_close(g_got, g_want, rtol=1e-11, atol=1e-11)
 
 

@@ -557,11 +557,23 @@ BAD = [
     case("cost-all-zero", lambda: CostModel(token=0, pair=0), ValueError, "at least one positive"),
     case("cost-str", lambda: CostModel(sequence="1"), TypeError, "CostModel.sequence must be a number"),
     case(
-        "for-model-zero-layers", lambda: CostModel.for_model(1e9, 0, 16, 128), ValueError, "num_layers must be finite and positive"
+        "for-model-zero-layers",
+        lambda: CostModel.for_model(1e9, 0, 16, 128),
+        ValueError,
+        "num_layers must be finite and positive",
     ),
-    case("cost-overflow", lambda: partition([[1, 2], [3]], 2, CostModel(token=1e308)), ValueError, "prices this batch at inf"),
-    case("cost-underflow", lambda: partition([[1]] * 4, 4, CostModel(token=0, pair=0, constant=5e-324)), ValueError,
-         "too large or too small to partition over 4 ranks"),  # fmt: skip
+    case(
+        "cost-overflow",
+        lambda: partition([[1, 2], [3]], 2, CostModel(token=1e308)),
+        ValueError,
+        "prices this batch at inf",
+    ),
+    case(
+        "cost-underflow",
+        lambda: partition([[1]] * 4, 4, CostModel(token=0, pair=0, constant=5e-324)),
+        ValueError,
+        "too large or too small to partition over 4 ranks",
+    ),
     case("method-unknown", lambda: partition([[1]], 1, method="greedy"), ValueError, "method must be 'best'"),
     case("fit-no-samples", lambda: CostModel.fit([]), ValueError, "at least one"),
     case("fit-negative-time", lambda: CostModel.fit([([[1, 2]], -1.0)]), ValueError, "sample 0: seconds must be"),

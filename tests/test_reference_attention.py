@@ -205,16 +205,18 @@ def test_tree_mask_is_the_rule_key_j_for_its_subtree():
     rule = torch.tensor([[j <= i < int(end[j]) for j in range(T)] for i in range(T)])
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     assert torch.equal(dta_ref.tree_mask(i, j, end), rule)
-    assert all(bool(dta_ref.tree_mask(torch.tensor(a), torch.tensor(b), end)) == bool(rule[a, b])
-               for a in range(T) for b in range(T))  # fmt: skip
+    assert all(
+        bool(dta_ref.tree_mask(torch.tensor(a), torch.tensor(b), end)) == bool(rule[a, b])
+        for a in range(T)
+        for b in range(T)
+    )
     batched = dta_ref.tree_mask(i, j, torch.stack([end, torch.arange(1, T + 1)]))  # a tree, then singletons
     assert torch.equal(batched[0], rule) and torch.equal(batched[1], torch.eye(T, dtype=torch.bool))
     assert torch.equal(dta_ref.tree_attention_mask(tree), rule)
 
     from torch.nn.attention.flex_attention import create_block_mask
 
-    block = create_block_mask(lambda b, h, q, kv: dta_ref.tree_mask(q, kv, end), 1, 1, T, T, device="cpu",
-                              BLOCK_SIZE=4)  # fmt: skip
+    block = create_block_mask(lambda b, h, q, kv: dta_ref.tree_mask(q, kv, end), 1, 1, T, T, device="cpu", BLOCK_SIZE=4)
     live = block.to_dense()[0, 0].bool().repeat_interleave(4, 0).repeat_interleave(4, 1)[:T, :T]
     assert not (rule & ~live).any()  # every visible pair lies in a block the BlockMask keeps
     from torch.nn.attention.flex_attention import flex_attention

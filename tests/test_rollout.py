@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dta_fast
-import dta_ref
 import dta_fast.rollout as fast_rollout
+import dta_ref
 from dta_ref.rollout import DraftTree, SamplingParams, context_logits, sampling_probs, walk
 from tests.helpers import assert_close_report, tiny_decoder, tiny_hf_model
 
@@ -85,8 +85,14 @@ def test_greedy_hf_matches_generate(family):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     expected = []
     for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))  # fmt: skip
+        out = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        )
         expected.append(out[0, len(p) :].tolist())
     assert dta_ref.sample(model, prompts, 10, temperature=0).completions == expected
     cache = cache_of(prompts, [c[:4] + [7, 7, 7] for c in expected])
@@ -253,7 +259,9 @@ def test_logprobs_equal_teacher_forced(model, engine):
     for i, (p, c) in enumerate(zip(PROMPTS, out.completions)):
         assert_close_report(out.logprobs[i], flat[i, len(p) - 1 : len(p) - 1 + len(c)], 1e-10, 1e-10, f"seq {i}")
     params = SamplingParams(0.8, 6, 0.9, None)
-    out = SPECULATIVE[engine](model, PROMPTS, 8, cache=cache, generator=gen(3), **_kwargs(params) | {"eos_token_id": None})
+    out = SPECULATIVE[engine](
+        model, PROMPTS, 8, cache=cache, generator=gen(3), **_kwargs(params) | {"eos_token_id": None}
+    )
     assert out.stats["accepted_tokens"] > 0
     for i, (p, c) in enumerate(zip(PROMPTS, out.completions)):
         assert_close_report(out.logprobs[i], teacher_forced(model, p, c, params), 1e-10, 1e-10, f"seq {i}")
@@ -290,18 +298,27 @@ def test_twins_agree_decoder(model):
     kw = dict(temperature=0.9, top_p=0.95, eos_token_id=7, max_draft_tokens=6)
     prompts = PROMPTS * 3
     base = dta_fast.sample(model, prompts, 10, temperature=0.9, generator=gen(4))
-    ref = dta_ref.speculative_sample(model, prompts, 10, cache=cache_of(prompts, base.completions), generator=gen(5), **kw)
-    fast = dta_fast.speculative_sample(model, prompts, 10, cache=cache_of(prompts, base.completions), generator=gen(5), **kw)
+    ref = dta_ref.speculative_sample(
+        model, prompts, 10, cache=cache_of(prompts, base.completions), generator=gen(5), **kw
+    )
+    fast = dta_fast.speculative_sample(
+        model, prompts, 10, cache=cache_of(prompts, base.completions), generator=gen(5), **kw
+    )
     _assert_twins(ref, fast)
     assert ref.stats["accepted_tokens"] > 0
-    _assert_twins(dta_ref.sample(model, PROMPTS, 6, generator=gen(6)), dta_fast.sample(model, PROMPTS, 6, generator=gen(6)))
+    _assert_twins(
+        dta_ref.sample(model, PROMPTS, 6, generator=gen(6)), dta_fast.sample(model, PROMPTS, 6, generator=gen(6))
+    )
 
 
 def test_empty_cache_speculative_equals_plain(model):
     """No drafts: the speculative samplers draw exactly like plain sampling, token for token."""
     plain = dta_ref.sample(model, PROMPTS, 8, generator=gen(7), top_k=10)
     for fn in SPECULATIVE.values():
-        assert fn(model, PROMPTS, 8, cache=dta_ref.RolloutCache(), generator=gen(7), top_k=10).completions == plain.completions
+        assert (
+            fn(model, PROMPTS, 8, cache=dta_ref.RolloutCache(), generator=gen(7), top_k=10).completions
+            == plain.completions
+        )
 
 
 def test_fast_kv_buffers_grow_with_the_completions(model, monkeypatch):
@@ -331,8 +348,10 @@ def test_fast_kv_buffers_grow_with_the_completions(model, monkeypatch):
     monkeypatch.undo()
     # 10**8 new tokens for a prompt whose completion ends at its first token (greedy, EOS = that token)
     first = dta_ref.sample(model, [[1, 2]], 1, temperature=0).completions[0][0]
-    for engine in (dta_fast.sample, lambda *a, **k: dta_fast.speculative_sample(*a, cache=dta_ref.RolloutCache(),
-                                                                                max_draft_tokens=10**9, **k)):
+    for engine in (
+        dta_fast.sample,
+        lambda *a, **k: dta_fast.speculative_sample(*a, cache=dta_ref.RolloutCache(), max_draft_tokens=10**9, **k),
+    ):
         assert engine(model, [[1, 2]], 10**8, temperature=0, eos_token_id=first).completions == [[first]]
 
 
@@ -382,8 +401,13 @@ def test_cache_drafts_most_frequent_first_and_bounded():
     assert cache.draft([9, 9], [], 3).tokens == [5, 5, 5]  # the newest completions survive
     # the generated tokens are checked as a prompt's are (empty allowed), not matched as other numbers
     assert cache.draft([9, 9], torch.tensor([5, 5], dtype=torch.int32), 1).tokens == [5]
-    for generated, exc in (([-1, 3], ValueError), ([True], TypeError), ("ab", TypeError), ([3.0], TypeError),
-                           (5, TypeError)):  # fmt: skip
+    for generated, exc in (
+        ([-1, 3], ValueError),
+        ([True], TypeError),
+        ("ab", TypeError),
+        ([3.0], TypeError),
+        (5, TypeError),
+    ):
         with pytest.raises(exc, match="sequence 0|generated must be"):
             cache.draft([9, 9], generated, 2)
 
@@ -484,7 +508,9 @@ def test_head_with_more_logits_than_embedding_rows_is_refused(sampler):
     hf = tiny_hf_model("llama", torch.float32)
     hf.lm_head = torch.nn.Linear(hf.config.hidden_size, hf.config.vocab_size + 16, bias=False)
     engine, kind = sampler.split(".")
-    fn = functools.partial(SPECULATIVE[engine], cache=dta_ref.RolloutCache()) if kind == "speculative" else PLAIN[engine]
+    fn = (
+        functools.partial(SPECULATIVE[engine], cache=dta_ref.RolloutCache()) if kind == "speculative" else PLAIN[engine]
+    )
     with pytest.raises(ValueError, match=f"output head gives {hf.config.vocab_size + 16} logits but its embedding"):
         fn(hf, [[1, 2]], 2)
 
@@ -514,16 +540,27 @@ def test_several_eos_tokens(model, engine):
     """eos_token_id=[a, b] (chat models end turns with several): a completion ends at the first of either.
     One prompt draws one uniform per step whatever ends it, so the completion is the one without an EOS,
     cut after its first a or b; speculative sampling with a fresh cache drafts nothing, so it is too."""
-    frees = [PLAIN[engine](model, [[1, 2]], 12, temperature=1.5, generator=gen(seed)).completions[0] for seed in range(6)]
+    frees = [
+        PLAIN[engine](model, [[1, 2]], 12, temperature=1.5, generator=gen(seed)).completions[0] for seed in range(6)
+    ]
     eos = [frees[0][3], frees[1][2]]  # tokens these completions draw early
     cut = 0
     for seed, free in enumerate(frees):
         ends = [t for t, x in enumerate(free) if x in eos]
         want = free[: ends[0] + 1] if ends else free
         cut += bool(ends) and ends[0] < len(free) - 1
-        for out in (PLAIN[engine](model, [[1, 2]], 12, temperature=1.5, eos_token_id=eos, generator=gen(seed)),
-                    SPECULATIVE[engine](model, [[1, 2]], 12, cache=dta_ref.RolloutCache(), temperature=1.5,
-                                        eos_token_id=tuple(eos), generator=gen(seed))):  # fmt: skip
+        for out in (
+            PLAIN[engine](model, [[1, 2]], 12, temperature=1.5, eos_token_id=eos, generator=gen(seed)),
+            SPECULATIVE[engine](
+                model,
+                [[1, 2]],
+                12,
+                cache=dta_ref.RolloutCache(),
+                temperature=1.5,
+                eos_token_id=tuple(eos),
+                generator=gen(seed),
+            ),
+        ):
             assert out.completions[0] == want, seed
             assert len(out.logprobs[0]) == len(want)
     assert cut  # some completion did stop early, so the check means something
@@ -549,8 +586,15 @@ def test_numpy_scalars_are_numbers(model, sampler):
     import numpy as np
 
     plain = PLAIN[sampler](model, [[1, 2]], 3, temperature=0.7, top_k=5, eos_token_id=3, generator=gen())
-    numpy = PLAIN[sampler](model, [[1, 2]], np.int64(3), temperature=np.float32(0.7), top_k=np.int64(5),
-                           eos_token_id=np.int64(3), generator=gen())  # fmt: skip
+    numpy = PLAIN[sampler](
+        model,
+        [[1, 2]],
+        np.int64(3),
+        temperature=np.float32(0.7),
+        top_k=np.int64(5),
+        eos_token_id=np.int64(3),
+        generator=gen(),
+    )
     assert numpy.completions == plain.completions
 
 

@@ -42,9 +42,7 @@ def named_trees():
     rng = np.random.default_rng(0)
     return {
         "grpo": PrefixTree.from_sequences(grpo_batch(2, 21, 4, 9, vocab_size=50)).subtree_end,
-        "agentic": PrefixTree.from_sequences(
-            agentic_batch(13, 2, 3, 2, 3, 4, 5, vocab_size=50)
-        ).subtree_end,
+        "agentic": PrefixTree.from_sequences(agentic_batch(13, 2, 3, 2, 3, 4, 5, vocab_size=50)).subtree_end,
         "chain": torch.full((37,), 37),
         "fan": PrefixTree.from_sequences([[0, t] for t in range(60)]).subtree_end,
         "forest_of_singletons": torch.arange(1, 30),
@@ -213,7 +211,6 @@ def test_deterministic():
     second = check_tree_attention(q, k, v, end)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-
 
 
 def expected_shares(work, heads_per_row, group, slots, sms):
@@ -392,8 +389,13 @@ def test_bad_arguments_of_the_schedule_and_scale():
         dta_fast.TreeSchedule(end.int(), 5)
     # its tiles: int powers of two
     schedule = build_schedule(end, 5)
-    for blocks, exc in (((4, 0), ValueError), ((-4, 4), ValueError), ((4, 12), ValueError), ((4.0, 4), TypeError),
-                        ((True, 4), TypeError)):  # fmt: skip
+    for blocks, exc in (
+        ((4, 0), ValueError),
+        ((-4, 4), ValueError),
+        ((4, 12), ValueError),
+        ((4.0, 4), TypeError),
+        ((True, 4), TypeError),
+    ):
         for method in (schedule.block_lists, schedule.key_block_order):
             with pytest.raises(exc, match="BLOCK_[MN] must be"):
                 method(*blocks)
@@ -591,12 +593,11 @@ def test_block_lists_are_the_live_key_blocks(Tq, BM, BN):
     visible = torch.nn.functional.pad(mask, (0, Nk * BN - Tk, 0, Mq * BM - Tq))
     live = visible.view(len(end), Mq, BM, Nk, BN).any(4).any(2).flatten(0, 1)  # [B * Mq, Nk]
     # full: every pair of real queries and keys visible (padding queries count as seeing, padding keys not)
-    padded = torch.nn.functional.pad(torch.nn.functional.pad(mask, (0, 0, 0, Mq * BM - Tq), value=True),
-                                     (0, Nk * BN - Tk))  # fmt: skip
+    padded = torch.nn.functional.pad(
+        torch.nn.functional.pad(mask, (0, 0, 0, Mq * BM - Tq), value=True), (0, Nk * BN - Tk)
+    )
     full = padded.view(len(end), Mq, BM, Nk, BN).all(4).all(2).flatten(0, 1)
-    expected = [
-        (torch.nonzero(f)[:, 0].tolist(), torch.nonzero(l & ~f)[:, 0].tolist()) for l, f in zip(live, full)
-    ]
+    expected = [(torch.nonzero(f)[:, 0].tolist(), torch.nonzero(l & ~f)[:, 0].tolist()) for l, f in zip(live, full)]
     lists = schedule.block_lists(BM, BN)
     rows = lists.rows()
     assert rows == expected
@@ -628,8 +629,11 @@ def test_autotune_bucket_by_query_count():
     """Tuning is kept per bucket of query counts: a decode step does not pick the training chunk's warps."""
     from dta_fast.attention import kernels
 
-    for kernel in (kernels.tree_attention_fwd_kernel, kernels.tree_attention_bwd_dkdv_kernel,
-                   kernels.tree_attention_bwd_dq_kernel):  # fmt: skip
+    for kernel in (
+        kernels.tree_attention_fwd_kernel,
+        kernels.tree_attention_bwd_dkdv_kernel,
+        kernels.tree_attention_bwd_dq_kernel,
+    ):
         assert "SIZE_CLASS" in kernel.keys
     size_class = kernels.size_class
     assert [size_class(n) for n in (1, 63, 64, 1023, 1024, 16383, 16384, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -656,8 +660,9 @@ def test_gpu_cuda_graph_replays_forward_and_backward(D, dtype):
     T = end.numel()
     schedule = build_schedule(end)
     sample = [x.requires_grad_(True) for x in make_qkv(1, 4, 2, T, T, D, dtype)]
-    graphed = torch.cuda.make_graphed_callables(lambda q, k, v: tree_attention(q, k, v, schedule=schedule),
-                                                tuple(sample))  # fmt: skip
+    graphed = torch.cuda.make_graphed_callables(
+        lambda q, k, v: tree_attention(q, k, v, schedule=schedule), tuple(sample)
+    )
     values = make_qkv(1, 4, 2, T, T, D, dtype, seed=5)
     do = torch.randn(values[0].shape, device="cuda", dtype=dtype)
     results = []
@@ -767,8 +772,10 @@ def test_model_layouts_equal_contiguous(layout):
     g = torch.Generator(device=DEVICE).manual_seed(0)
     if layout == "fused_qkv":
         W = torch.randn(1, T, (Hq + 2 * Hkv) * D, generator=g, device=DEVICE, dtype=dtype)
-        q, k, v = (W[..., a * D : b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
-                   for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))  # fmt: skip
+        q, k, v = (
+            W[..., a * D : b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
+            for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv))
+        )
     else:
         q = torch.randn(1, Hq, T, D, generator=g, device=DEVICE, dtype=dtype)
         k, v = (torch.randn(1, 1, T, D, generator=g, device=DEVICE, dtype=dtype).expand(1, Hkv, T, D) for _ in "kv")

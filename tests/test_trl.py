@@ -50,7 +50,8 @@ def config(cls, tmp_path, **overrides):
         max_completion_length=6,
         max_steps=3,
         learning_rate=0.5,
-        optim="sgd",  # updates proportional to the gradients (Adam would turn rounding noise in a zero gradient into a full step)
+        # updates proportional to the gradients (Adam would turn rounding noise in a zero gradient into a full step)
+        optim="sgd",
         logging_steps=1,
         report_to="none",
         use_cpu=True,
@@ -114,10 +115,16 @@ CASES = {
     "chunked-grad-accum": dict(tree_max_chunk_tokens=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
     # loss variants: every one is GRPOTrainer's own code on the tree's logprobs (and entropies)
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
-    "chunked-two-sided-clip": dict(tree_max_chunk_tokens=8, epsilon=0.05, epsilon_high=0.1, delta=1.02,
-                                   num_iterations=2),  # fmt: skip
-    "dr-grpo-top-entropy": dict(loss_type="dr_grpo", top_entropy_quantile=0.5, mask_truncated_completions=True,
-                                max_completion_length=12, beta=0.05),  # fmt: skip
+    "chunked-two-sided-clip": dict(
+        tree_max_chunk_tokens=8, epsilon=0.05, epsilon_high=0.1, delta=1.02, num_iterations=2
+    ),
+    "dr-grpo-top-entropy": dict(
+        loss_type="dr_grpo",
+        top_entropy_quantile=0.5,
+        mask_truncated_completions=True,
+        max_completion_length=12,
+        beta=0.05,
+    ),
 }
 
 
@@ -173,11 +180,22 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path, monkeypatch):
         assert not trained
 
 
-@pytest.mark.parametrize("precision", [
-    "bf16",
-    pytest.param("fp16", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="float16 loss scaling: Accelerate makes its GradScaler on GPUs")]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "precision",
+    [
+        "bf16",
+        pytest.param(
+            "fp16",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="float16 loss scaling: Accelerate makes its GradScaler on GPUs",
+                ),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("chunking", [{}, {"tree_max_chunk_tokens": 8}], ids=["packed", "chunked"])
 def test_tree_grpo_trainer_under_mixed_precision(precision, chunking, tmp_path):
     """GRPOConfig's bf16=True runs a float32 model under bfloat16 autocast (here on the CPU); fp16=True on
@@ -212,9 +230,14 @@ def test_tree_grpo_trainer_evaluates(chunking, tmp_path):
 
     def evaluate(trainer_cls, config_cls, name, **options):
         torch.manual_seed(0)
-        trainer = trainer_cls(model=str(tmp_path / "model"), reward_funcs=reward_small_ids,
-                              args=config(config_cls, tmp_path / name, per_device_eval_batch_size=8, **options),
-                              train_dataset=prompts(), eval_dataset=prompts(), processing_class=word_tokenizer())  # fmt: skip
+        trainer = trainer_cls(
+            model=str(tmp_path / "model"),
+            reward_funcs=reward_small_ids,
+            args=config(config_cls, tmp_path / name, per_device_eval_batch_size=8, **options),
+            train_dataset=prompts(),
+            eval_dataset=prompts(),
+            processing_class=word_tokenizer(),
+        )
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         metrics = trainer.evaluate()
         for n, p in trainer.model.named_parameters():
@@ -245,9 +268,13 @@ def test_tree_grpo_trainer_casts_the_head_to_float32(tmp_path):
 
     def score(trainer_cls, config_cls, cast):
         torch.manual_seed(0)
-        trainer = trainer_cls(model=str(tmp_path / "model"), reward_funcs=reward_small_ids,
-                              args=config(config_cls, tmp_path / "out", bf16=True, cast_lm_head_to_fp32=cast),
-                              train_dataset=prompts(), processing_class=word_tokenizer())  # fmt: skip
+        trainer = trainer_cls(
+            model=str(tmp_path / "model"),
+            reward_funcs=reward_small_ids,
+            args=config(config_cls, tmp_path / "out", bf16=True, cast_lm_head_to_fp32=cast),
+            train_dataset=prompts(),
+            processing_class=word_tokenizer(),
+        )
         with torch.no_grad():
             logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, 6, compute_entropy=True
@@ -294,8 +321,13 @@ def test_attention_dropout_is_refused_at_construction(tmp_path):
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention dropout is not supported on the tree path"):
-        TreeGRPOTrainer(model=model, reward_funcs=reward_small_ids, args=config(TreeGRPOConfig, tmp_path),
-                        train_dataset=prompts(), processing_class=word_tokenizer())  # fmt: skip
+        TreeGRPOTrainer(
+            model=model,
+            reward_funcs=reward_small_ids,
+            args=config(TreeGRPOConfig, tmp_path),
+            train_dataset=prompts(),
+            processing_class=word_tokenizer(),
+        )
 
 
 @pytest.mark.parametrize(
@@ -335,7 +367,8 @@ def test_chunked_training_refuses_dropout(tmp_path):
 
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match=r"dropout in .*lora_dropout.* \(p=0.1\).*lora_dropout=0.0"):
-        train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", model(), peft, tree_max_chunk_tokens=8,
-              max_steps=1)  # fmt: skip
+        train(
+            TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", model(), peft, tree_max_chunk_tokens=8, max_steps=1
+        )
     logs, _, updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "packed", model(), peft, max_steps=1)
     assert len(logs) == 1 and any(u.norm() > 0 for u in updates.values())

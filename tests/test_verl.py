@@ -81,8 +81,16 @@ def _without_a_prompt(batch, row=5):
         (lambda b: (b[0][0], b[1][0], b[2][0], b[3]), "input_ids must be a 2-D tensor"),
         (_without_a_prompt, "row 5 has no prompt token"),
     ],
-    ids=["responses-not-the-tail", "shifted-positions", "mrope-positions", "1-d-responses", "gap-in-mask",
-         "mask-shape", "1-d-input-ids", "no-prompt"],
+    ids=[
+        "responses-not-the-tail",
+        "shifted-positions",
+        "mrope-positions",
+        "1-d-responses",
+        "gap-in-mask",
+        "mask-shape",
+        "1-d-input-ids",
+        "no-prompt",
+    ],
 )
 def test_verl_layout_errors(change, message):
     model = tiny_hf_model("qwen2", torch.float32, "sdpa")

@@ -64,8 +64,6 @@ def _blocks(kernel: str, x: torch.Tensor):
     return block_table(x.shape[-1], x.dtype)[kernel]
 
 
-
-
 def _block_d(head_dim: int) -> int:
     """Head-dim tile: a power of two, and at least 16 (the smallest tl.dot reduction)."""
     return max(16, 1 << (head_dim - 1).bit_length())
@@ -246,8 +244,6 @@ def _sum_dkdv_shares(workspace, shares: DkdvShares, dk, dv, heads_per_row):
         cdiv(Tk, shares.unit), Tk, HEAD_DIM=D, BLOCK_D=_block_d(D), UNIT=shares.unit,
         BLOCK_T=16 if INTERPRET else 32,
     )  # fmt: skip
-
-
 
 
 def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):

@@ -71,8 +71,10 @@ def applies(q: torch.Tensor, *others: torch.Tensor) -> bool:
         return False
     if q.shape[-1] not in (64, 128) or q.shape[2] < 64 or _capability(q.device)[0] != 9:
         return False
-    return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0
-                                                                       for s in x.stride()[:3]) for x in (q, *others))
+    return all(
+        x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:3])
+        for x in (q, *others)
+    )
 
 
 _CAPABILITY: dict = {}
@@ -109,8 +111,12 @@ _LAYOUTS: dict = {}  # (block, dtype) -> its shared-memory layout: 7 of a descri
 def descriptor(x, block, dtype):
     key = (tuple(block), dtype)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = (gl.NVMMASharedLayout.get_default_for(block, dtype) if len(block) == 4 else  # tiles
-                         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block)))  # rows
+        _LAYOUTS[key] = (
+            gl.NVMMASharedLayout.get_default_for(block, dtype)
+            if len(block) == 4
+            # tiles
+            else gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block))
+        )  # rows
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, _LAYOUTS[key])
 
 

@@ -192,7 +192,6 @@ def dkdv_shares_kernel(
         first += tl.sum(tl.where(offs < N, taken, 0), 0)
 
 
-
 # Isolation.
 
 
@@ -220,8 +219,11 @@ def finite_rows_kernel(
     mask = mask_t[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(X + b * stride_xb + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :], mask=mask, other=0.0)
     bad = _row_nan(x) != 0.0  # NaN != 0
-    tl.store(X_FINITE + pid_bh * T * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
-             tl.where(bad[:, None], 0.0, x), mask=mask)
+    tl.store(
+        X_FINITE + pid_bh * T * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+        tl.where(bad[:, None], 0.0, x),
+        mask=mask,
+    )
     tl.store(BAD + pid_bh * T + offs_t, bad.to(tl.int8), mask=mask_t)
 
 
@@ -254,7 +256,6 @@ def queries_seeing_kernel(
 def _visible(pos_m, offs_n, end_n):
     """[M, N] bool: query position pos_m may attend key offs_n with subtree end end_n."""
     return (offs_n[None, :] <= pos_m[:, None]) & (pos_m[:, None] < end_n[None, :])
-
 
 
 @triton.jit
@@ -375,8 +376,11 @@ def tree_attention_fwd_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_m = offs_m < Tq
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     END += b * stride_eb
@@ -401,8 +405,11 @@ def tree_attention_fwd_kernel(
     # isolation: the queries that see a value row zeroed before the launch (a non-finite one) get NaN
     sees_bad = tl.load(SEES_BAD + (b * (Hq // GROUP) + hk) * Tq + offs_m, mask=mask_m, other=0)
     acc = tl.where(sees_bad[:, None] != 0, float("nan"), acc)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+        acc.to(O.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
     # natural-log LSE of the scaled scores
     tl.store(LSE + pid_bh * Tq + offs_m, (m_i + tl.log2(l_i)) / LOG2E, mask=mask_m)
 
@@ -433,18 +440,25 @@ def tree_attention_bwd_preprocess_kernel(
     mask_t = offs_t < Tq
     mask = mask_t[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot + offs_d[None, :],
-                 mask=mask, other=0.0)  # [BLOCK_T, BLOCK_D]
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_t[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0
+    )  # [BLOCK_T, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row_nan = _row_nan(do) + delta * 0.0  # NaN on the rows whose dO or delta is not finite
     tl.store(DELTA + pid_bh * stride_rows + offs_t, tl.where(row_nan == 0.0, delta, 0.0), mask=mask_t)
     lse = tl.load(LSE + pid_bh * Tq + offs_t, mask=mask_t, other=0.0)
     tl.store(LSE_BWD + pid_bh * stride_rows + offs_t, lse + row_nan, mask=mask_t)
-    tl.store(DO_FINITE + b * stride_fb + h * stride_fh + offs_t[:, None] * stride_ft + offs_d[None, :],
-             tl.where((row_nan == 0.0)[:, None], do, 0.0), mask=mask)
+    tl.store(
+        DO_FINITE + b * stride_fb + h * stride_fh + offs_t[:, None] * stride_ft + offs_d[None, :],
+        tl.where((row_nan == 0.0)[:, None], do, 0.0),
+        mask=mask,
+    )
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :], mask=mask, other=0.0)
-    tl.store(Q_FINITE + pid_bh * Tq * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
-             tl.where((_row_nan(q) == 0.0)[:, None], q, 0.0), mask=mask)
+    tl.store(
+        Q_FINITE + pid_bh * Tq * HEAD_DIM + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
+        tl.where((_row_nan(q) == 0.0)[:, None], q, 0.0),
+        mask=mask,
+    )
 
 
 # Backward: dK and dV.
@@ -519,10 +533,12 @@ def tree_attention_bwd_dkdv_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_nd = mask_n[:, None] & mask_d[None, :]
 
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
+    k = tl.load(
+        K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=mask_nd, other=0.0
+    )  # [BLOCK_N, BLOCK_D]
+    v = tl.load(
+        V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=mask_nd, other=0.0
+    )
     end_n = tl.load(END + b * stride_eb + offs_n, mask=mask_n, other=0)  # [BLOCK_N]
     k_first = pid_n * BLOCK_N
     k_last = tl.minimum(k_first + BLOCK_N, Tk) - 1
@@ -558,10 +574,16 @@ def tree_attention_bwd_dkdv_kernel(
 
     if live:  # the grid's surplus programs write nothing
         if shares == 1:
-            tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-                     (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
-            tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-                     dv.to(DV.dtype.element_ty), mask=mask_nd)
+            tl.store(
+                DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+                (dk * sm_scale).to(DK.dtype.element_ty),
+                mask=mask_nd,
+            )
+            tl.store(
+                DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+                dv.to(DV.dtype.element_ty),
+                mask=mask_nd,
+            )
         else:  # the share's float32 partials, in its workspace slot: [dK, dV] tiles of the unit's keys
             slot = (tl.load(FIRST + unit) + split).to(tl.int64) * heads_per_row + rest
             tile = WS + slot * (2 * UNIT * HEAD_DIM) + (offs_n % UNIT)[:, None] * HEAD_DIM + offs_d[None, :]
@@ -676,10 +698,12 @@ def tree_attention_bwd_dq_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_md = mask_m[:, None] & mask_d[None, :]
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=mask_md, other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :], mask=mask_md, other=0.0
+    )  # [BLOCK_M, BLOCK_D]
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=mask_md, other=0.0
+    )
     lse = tl.load(LSE + pid_bh * stride_rows + offs_m, mask=mask_m, other=0.0) * LOG2E
     delta = tl.load(DELTA + pid_bh * stride_rows + offs_m, mask=mask_m, other=0.0)
     K += b * stride_kb + hk * stride_kh
@@ -691,10 +715,54 @@ def tree_attention_bwd_dq_kernel(
     start = row * NK
     mid = start + tl.load(KV_FULL + row)
     stop = start + tl.load(KV_COUNT + row)
-    dq = _dq_full_runs(dq, q, do, lse, delta, K, V, KV_IDX, KV_RUN, start, mid, offs_d, mask_d, qk_scale,
-                       stride_kt, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM == BLOCK_D, DOT_PRECISION)
-    dq = _dq_partial_blocks(dq, q, do, lse, delta, K, V, END, KV_IDX, mid, stop, pos_m, offs_d, mask_d, qk_scale,
-                            stride_kt, stride_vt, Tk, BLOCK_N, HEAD_DIM == BLOCK_D, DOT_PRECISION)
+    dq = _dq_full_runs(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        KV_IDX,
+        KV_RUN,
+        start,
+        mid,
+        offs_d,
+        mask_d,
+        qk_scale,
+        stride_kt,
+        stride_vt,
+        BLOCK_N,
+        BLOCK_D,
+        HEAD_DIM == BLOCK_D,
+        DOT_PRECISION,
+    )
+    dq = _dq_partial_blocks(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        END,
+        KV_IDX,
+        mid,
+        stop,
+        pos_m,
+        offs_d,
+        mask_d,
+        qk_scale,
+        stride_kt,
+        stride_vt,
+        Tk,
+        BLOCK_N,
+        HEAD_DIM == BLOCK_D,
+        DOT_PRECISION,
+    )
 
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_md)
+    tl.store(
+        DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=mask_md,
+    )

@@ -72,7 +72,6 @@ def _validate_once(subtree_end: torch.Tensor) -> None:
         subtree_end._dta_checked_version = subtree_end._version
 
 
-
 @dataclass
 class TreeSchedule:
     """Per-tree data shared by every attention call over the same tree (e.g. all layers).
@@ -108,7 +107,7 @@ class TreeSchedule:
     def num_keys(self) -> int:
         return self.subtree_end.shape[1]
 
-    def rows(self, start: int, stop: int) -> "TreeSchedule":
+    def rows(self, start: int, stop: int) -> TreeSchedule:
         """The schedule of batch rows ``start:stop`` (this one where the batch shares one tree)."""
         if self.subtree_end.shape[0] == 1:
             return self
@@ -118,7 +117,7 @@ class TreeSchedule:
     def q_offset(self) -> int:
         return self.num_keys - self.num_queries
 
-    def block_lists(self, BLOCK_M: int, BLOCK_N: int) -> "BlockLists":
+    def block_lists(self, BLOCK_M: int, BLOCK_N: int) -> BlockLists:
         key = (BLOCK_M, BLOCK_N)
         if key in self._lists:
             return self._lists[key]
@@ -216,7 +215,6 @@ def key_block_work(subtree_end, Tq, BLOCK_M, BLOCK_N):
         subtree_end, work, subtree_end.stride(0), Tq, Tk, Nk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
     )  # fmt: skip
     return work
-
 
 
 # dK/dV runs a program per (key block, K/V head), which walks every query head of its GQA group. The

@@ -18,8 +18,15 @@ EXHAUSTIVE_SEARCH_TOKENS = 1024
 
 
 def largest_fitting_plan(
-    memory: MemoryModel, forest: Forest, budget: int, *, recompute: bool, tolerance: float = 0.0,
-    logits_rows: int | None = None, checkpoint_layers: bool = False, smallest: int = 1,
+    memory: MemoryModel,
+    forest: Forest,
+    budget: int,
+    *,
+    recompute: bool,
+    tolerance: float = 0.0,
+    logits_rows: int | None = None,
+    checkpoint_layers: bool = False,
+    smallest: int = 1,
 ) -> ChunkPlan:
     """The plan (without prefix pieces) of the largest chunk size whose estimate fits ``budget``, or of
     one within ``tolerance`` (relative) of it where the next size up does not fit; ValueError when none
@@ -83,8 +90,10 @@ def largest_fitting_plan(
             # ladder of ratio 2^(1/4) above the first guess (not for a search bounded below: the plan
             # it could find is one that a cheaper one already beats but for such flukes)
             if lo is None and smallest == 1:
-                ladder = range(floor, T + 1) if T <= EXHAUSTIVE_SEARCH_TOKENS else sorted(
-                    {min(T, int(first * 2 ** (k / 4))) for k in range(1, 4 * T.bit_length() + 1)} - {first}
+                ladder = (
+                    range(floor, T + 1)
+                    if T <= EXHAUSTIVE_SEARCH_TOKENS
+                    else sorted({min(T, int(first * 2 ** (k / 4))) for k in range(1, 4 * T.bit_length() + 1)} - {first})
                 )
                 lo = next((size for size in ladder if fits(size)), None)
         if lo is not None and hi is not None and hi <= lo:
@@ -96,20 +105,28 @@ def largest_fitting_plan(
                 hi = min(2 * lo, T)
     if lo is None:
         if memo:
-            smallest = f"the smallest estimate among the {len(memo)} chunk sizes tried is {format_bytes(min(memo.values()))}"
+            smallest = (
+                f"the smallest estimate among the {len(memo)} chunk sizes tried is {format_bytes(min(memo.values()))}"
+            )
         else:
             smallest = f"every chunk size's estimate is at least {format_bytes(floor_bytes)}"
         raise ValueError(
             f"memory budget of {format_bytes(budget)} is too small: {smallest} (the open chunks' K/V, the "
             "vocabulary head's backward and "
             f"{format_bytes(activation)} of activations per chunk token"
-            + ("" if recompute else "; try recompute=True") + ")"
+            + ("" if recompute else "; try recompute=True")
+            + ")"
         )
     fitted = [lo]  # sizes that fit, in the order found (increasing)
     interpolate, lo_moved = True, True
     while hi is not None and hi - lo > max(1, int(tolerance * lo)):  # fits(lo) and not fits(hi)
         below = fitted[-2] if len(fitted) > 1 else None
-        if lo_moved and below is not None and plans[below].num_chunks == plans[lo].num_chunks and memo[lo] > memo[below]:
+        if (
+            lo_moved
+            and below is not None
+            and plans[below].num_chunks == plans[lo].num_chunks
+            and memo[lo] > memo[below]
+        ):
             # two fitting sizes with the same chunk count: the estimate's own slope here, where it
             # grows with the chunks that the size bounds
             slope = (memo[lo] - memo[below]) / (lo - below)
@@ -177,9 +194,11 @@ def step_cost(memory: MemoryModel, plan: ChunkPlan) -> float:
     num_windows = int(windows.sum() + windows[~plan.keeps_graph].sum())
     per_token, per_chunk = cost_rates(plan.checkpoint_layers)
     return (
-        per_token * int(plan.lengths.sum()) + plan.recomputed_tokens
-        + per_chunk * plan.num_chunks + WINDOW_OVERHEAD_TOKENS * num_windows
-    )  # fmt: skip
+        per_token * int(plan.lengths.sum())
+        + plan.recomputed_tokens
+        + per_chunk * plan.num_chunks
+        + WINDOW_OVERHEAD_TOKENS * num_windows
+    )
 
 
 def cost_rates(checkpoint_layers: bool) -> tuple[int, int]:
@@ -192,7 +211,12 @@ def cost_rates(checkpoint_layers: bool) -> tuple[int, int]:
 
 
 def plan_for_budget(
-    memory: MemoryModel, forest: Forest, budget: int, *, recompute: bool | None = None, strict: bool = True,
+    memory: MemoryModel,
+    forest: Forest,
+    budget: int,
+    *,
+    recompute: bool | None = None,
+    strict: bool = True,
     checkpoint_layers: bool | None = None,
 ) -> ChunkPlan:
     """The cheapest plan (:func:`step_cost`) whose estimate fits ``budget``, over keep and recompute, over
@@ -226,7 +250,9 @@ def plan_for_budget(
         if plan is not None:
             found.append(plan)
     if found:  # a tie goes to the plan without checkpointed layers
-        return with_prefix_pieces(forest, min(found, key=lambda plan: (step_cost(memory, plan), plan.checkpoint_layers)))
+        return with_prefix_pieces(
+            forest, min(found, key=lambda plan: (step_cost(memory, plan), plan.checkpoint_layers))
+        )
     if strict:
         raise errors[-1]  # the last search's smallest window: the estimate closest to the budget
     sizes = {T} | {2**i for i in range(8, T.bit_length())}
@@ -254,10 +280,18 @@ def _cheapest_over_windows(memory, forest, budget, modes, checkpoint_layers, err
         for mode in modes:
             try:
                 # a size within 3% of the largest runs as fast: spare the last bisection steps
-                plans.append(largest_fitting_plan(
-                    memory, forest, budget, recompute=mode, tolerance=1 / 32, logits_rows=rows,
-                    checkpoint_layers=checkpoint_layers, smallest=smallest,
-                ))  # fmt: skip
+                plans.append(
+                    largest_fitting_plan(
+                        memory,
+                        forest,
+                        budget,
+                        recompute=mode,
+                        tolerance=1 / 32,
+                        logits_rows=rows,
+                        checkpoint_layers=checkpoint_layers,
+                        smallest=smallest,
+                    )
+                )
             except ValueError as error:
                 errors.append(error)
         cheapest = min(plans, key=cost, default=None)

@@ -100,7 +100,7 @@ class _ChunkPass:
 class _OpenChunk:
     layers: dict  # layer index -> _LayerKV
     graph: _ChunkPass | None = None  # kept from the forward when the plan says so
-    rng: "_RngState | None" = None  # where its forward began drawing, when it will be redone (dropout)
+    rng: _RngState | None = None  # where its forward began drawing, when it will be redone (dropout)
 
 
 class _RngState(NamedTuple):
@@ -111,7 +111,7 @@ class _RngState(NamedTuple):
     cuda: tuple  # (device, state) pairs
 
     @classmethod
-    def now(cls, devices: tuple) -> "_RngState":
+    def now(cls, devices: tuple) -> _RngState:
         return cls(torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in devices))
 
     def restore(self) -> None:
@@ -132,9 +132,14 @@ class ChunkEngine:
     """Runs a :class:`ChunkPlan`: forwards and closes in the plan's order."""
 
     def __init__(
-        self, model, tree: PrefixTree, plan: ChunkPlan, kernel: bool, out_logprobs: torch.Tensor,
+        self,
+        model,
+        tree: PrefixTree,
+        plan: ChunkPlan,
+        kernel: bool,
+        out_logprobs: torch.Tensor,
         temperature: float = 1.0,
-    ):  # fmt: skip
+    ):
         self.adapter, self.tree, self.plan, self.temperature = adapt(model), tree, plan, temperature
         self.head = self.adapter.head
         self.kernel = kernel  # the Triton kernel, else the reference attention (dta_fast.dispatch)
@@ -296,7 +301,8 @@ def tree_backward(
 
     Exact under gradient checkpointing of the model's layers (reentrant or
     not). Needs gradients enabled, as ``loss.backward()`` does: under
-    ``torch.no_grad()`` or ``torch.inference_mode()`` it raises. Returns ``(logprobs, loss)``: detached per-sequence logprobs
+    ``torch.no_grad()`` or ``torch.inference_mode()`` it raises. Returns ``(logprobs, loss)``: detached
+    per-sequence logprobs
     [N, Lmax-1] (the layout of ``tree_logprobs``) and the detached total loss.
     Parameters the forward runs get a gradient (zero where no term reaches
     them); others (a value head beside the model) keep ``.grad`` None, as
@@ -312,10 +318,16 @@ def tree_backward(
             "tree_backward computes gradients, but gradients are disabled here (torch.no_grad() or "
             "torch.inference_mode()): call it outside them, as loss.backward() would need"
         )
-    options = checked_options(max_chunk_tokens=max_chunk_tokens, memory_budget_bytes=memory_budget_bytes,
-                              memory_margin_bytes=memory_margin_bytes, recompute=recompute,
-                              checkpoint_layers=checkpoint_layers, attention_impl=attention_impl,
-                              temperature=temperature, grad_scaler=grad_scaler)  # fmt: skip
+    options = checked_options(
+        max_chunk_tokens=max_chunk_tokens,
+        memory_budget_bytes=memory_budget_bytes,
+        memory_margin_bytes=memory_margin_bytes,
+        recompute=recompute,
+        checkpoint_layers=checkpoint_layers,
+        attention_impl=attention_impl,
+        temperature=temperature,
+        grad_scaler=grad_scaler,
+    )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
     if isinstance(loss_fn, type):
@@ -401,7 +413,11 @@ def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled):
         lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
         term = loss_fn(i, lp_i.clone())  # not the leaf itself: a loss may change its argument in place
         if not isinstance(term, torch.Tensor) or term.numel() != 1 or term.is_complex():
-            what = f"a {term.dtype} tensor of shape {tuple(term.shape)}" if isinstance(term, torch.Tensor) else type(term).__name__
+            what = (
+                f"a {term.dtype} tensor of shape {tuple(term.shape)}"
+                if isinstance(term, torch.Tensor)
+                else type(term).__name__
+            )
             raise ValueError(f"loss_fn must return a real scalar tensor; for sequence {i} it returned {what}")
         leaves.append(lp_i)
         terms.append(term.reshape(()))

@@ -38,7 +38,7 @@ class MemoryModel:
     model_checkpoints: bool = False  # the model checkpoints every layer itself (plans can only be so)
 
     @classmethod
-    def of(cls, model) -> "MemoryModel":
+    def of(cls, model) -> MemoryModel:
         adapter = adapt(model)
         shape, weight = adapter.shape, head_weight(adapter.head)
         vocab, w = weight.shape[0], weight.element_size()
@@ -158,7 +158,9 @@ def _layer_bytes_per_token(shape) -> int:
     float32 copies where the model has them (Qwen3)."""
     hidden, size = shape.hidden, shape.bytes_per_element
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_layer = 2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
+    per_layer = (
+        2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
+    )
     if shape.qk_norm:
         per_layer += (q + kv) * (4 + size)
     return per_layer
@@ -167,7 +169,6 @@ def _layer_bytes_per_token(shape) -> int:
 def _trunk_bytes_per_token(shape) -> int:
     """... and outside the layers (the final norm)."""
     return 4 * shape.hidden * shape.bytes_per_element
-
 
 
 def estimated_step_bytes(

@@ -26,9 +26,16 @@ class TreeBackwardOptions(NamedTuple):
 
 
 def checked_options(
-    *, max_chunk_tokens=None, memory_budget_bytes=None, memory_margin_bytes=None, recompute=None,
-    checkpoint_layers=None, attention_impl="auto", temperature=1.0, grad_scaler=None,
-) -> TreeBackwardOptions:  # fmt: skip
+    *,
+    max_chunk_tokens=None,
+    memory_budget_bytes=None,
+    memory_margin_bytes=None,
+    recompute=None,
+    checkpoint_layers=None,
+    attention_impl="auto",
+    temperature=1.0,
+    grad_scaler=None,
+) -> TreeBackwardOptions:
     """:func:`tree_backward`'s options checked; an unknown name is a TypeError. Alone, for a caller that
     must refuse them without a tree to train (a rank whose shard is empty)."""
     max_chunk_tokens, memory_budget_bytes, memory_margin_bytes = checked_chunking(
@@ -40,8 +47,16 @@ def checked_options(
     temperature = check_temperature(temperature)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
-    return TreeBackwardOptions(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, recompute,
-                               checkpoint_layers, attention_impl, temperature, grad_scaler)  # fmt: skip
+    return TreeBackwardOptions(
+        max_chunk_tokens,
+        memory_budget_bytes,
+        memory_margin_bytes,
+        recompute,
+        checkpoint_layers,
+        attention_impl,
+        temperature,
+        grad_scaler,
+    )
 
 
 def checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes, prefix: str = ""):
@@ -60,5 +75,3 @@ def checked_chunking(max_chunk_tokens, memory_budget_bytes, memory_margin_bytes,
                 "memory_budget_bytes it would do nothing: leave it out"
             )
     return max_chunk_tokens, memory_budget_bytes, memory_margin_bytes
-
-

@@ -26,7 +26,7 @@ class Forest:
     run_start: np.ndarray  # [T] first token of the parent-child chain ending at i
 
     @classmethod
-    def of(cls, tree: PrefixTree) -> "Forest":
+    def of(cls, tree: PrefixTree) -> Forest:
         parent = tree.parent.cpu().numpy().astype(np.int64, copy=False)
         index = np.arange(parent.size, dtype=np.int64)
         chain_break = parent != index - 1
@@ -67,7 +67,6 @@ class PrefixPiece:
     hi: int
 
 
-
 @dataclass(frozen=True)
 class PrefixPieces:
     """Every chunk's cached prefix as pieces of open chunks: chunk c's are entries ``ptr[c] : ptr[c + 1]``
@@ -80,8 +79,9 @@ class PrefixPieces:
 
     def of(self, c: int) -> list[PrefixPiece]:
         a, b = self.ptr[c], self.ptr[c + 1]
-        return [PrefixPiece(*piece) for piece in zip(self.owner[a:b].tolist(), self.lo[a:b].tolist(),
-                                                     self.hi[a:b].tolist())]  # fmt: skip
+        return [
+            PrefixPiece(*piece) for piece in zip(self.owner[a:b].tolist(), self.lo[a:b].tolist(), self.hi[a:b].tolist())
+        ]
 
 
 @dataclass
@@ -133,9 +133,13 @@ class ChunkPlan:
 
 
 def plan_chunks(
-    tree: PrefixTree | Forest, size: int, recompute: bool = False, with_prefix: bool = True,
-    logits_rows: int | None = None, checkpoint_layers: bool = False,
-) -> ChunkPlan:  # fmt: skip
+    tree: PrefixTree | Forest,
+    size: int,
+    recompute: bool = False,
+    with_prefix: bool = True,
+    logits_rows: int | None = None,
+    checkpoint_layers: bool = False,
+) -> ChunkPlan:
     """Chunks of at most ``size`` tokens and their facts (docs/chunked_execution.md, "Where chunks stop").
 
     A chunk runs on while its tokens' subtrees stay within the ``max_end``
@@ -165,7 +169,6 @@ def with_prefix_pieces(forest: Forest, plan: ChunkPlan) -> ChunkPlan:
     if plan.pieces is not None:
         return plan
     return replace(plan, pieces=_prefix_pieces(forest, plan.start, plan.stop))
-
 
 
 def _chunk_bounds(forest: Forest, size: int, recompute: bool):
@@ -299,4 +302,3 @@ def _prefix_pieces(forest: Forest, start: np.ndarray, stop: np.ndarray):
     ptr = np.zeros(C + 1, dtype=np.int64)
     np.cumsum(np.bincount(chunk, minlength=C), out=ptr[1:])
     return PrefixPieces(ptr, owner, lo - start[owner], hi - start[owner])
-

@@ -213,8 +213,12 @@ class _Store:
                 if s is None or pos >= len(s) or s[pos - n : pos] != key:
                     continue  # evicted, nothing follows, or a hash collision
                 length = n
-                while length < max_match and length < pos and length < len(context) and \
-                        s[pos - length - 1] == context[-length - 1]:  # fmt: skip
+                while (
+                    length < max_match
+                    and length < pos
+                    and length < len(context)
+                    and s[pos - length - 1] == context[-length - 1]
+                ):
                     length += 1
                 found.append((length, len(found), [sid, pos]))
                 if len(found) == 4 * max_sources:
@@ -242,8 +246,13 @@ class RolloutCache:
     keeps the prompts it meets again); ``clear()`` empties it.
     """
 
-    def __init__(self, max_tokens_per_prompt: int = 1 << 16, max_match: int = 32, max_sources: int = 8,
-                 max_tokens: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        max_tokens_per_prompt: int = 1 << 16,
+        max_match: int = 32,
+        max_sources: int = 8,
+        max_tokens: int | None = None,
+    ):
         check_int("max_tokens_per_prompt", max_tokens_per_prompt, 1)
         check_int("max_match", max_match, 1)
         check_int("max_sources", max_sources, 1)
@@ -416,4 +425,3 @@ def _most_frequent_tree(continuations: dict[tuple[int, ...], int], budget: int) 
         me = len(tree.tokens) - 1
         stack.extend((child, me) for child in sorted(chosen[node], key=rank.get, reverse=True))
     return tree
-

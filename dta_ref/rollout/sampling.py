@@ -145,7 +145,6 @@ def refuse_nonfinite_draws(logprobs: list[float], prompt: int) -> None:
         )
 
 
-
 @contextmanager
 def progress_bar(progress, total: int) -> Iterator[tqdm]:
     """A tqdm bar over generated tokens on stderr: shown for True, hidden for False, for None only on a terminal.
@@ -243,8 +242,18 @@ def context_logits(model, contexts: list[list[int]]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
-           generator=None, progress=None) -> Rollout:  # fmt: skip
+def sample(
+    model,
+    prompts,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    eos_token_id=None,
+    generator=None,
+    progress=None,
+) -> Rollout:
     """Plain autoregressive sampling, one token per sequence per step (readable, recomputes the prefix).
 
     ``prompts``: list of token lists. ``temperature=0`` is greedy. Each step

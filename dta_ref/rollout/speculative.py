@@ -68,8 +68,13 @@ class SpeculativeRun:
             _Sequence(p, DraftBudget(max_draft_tokens), None if cache is None else cache.drafter(p)) for p in prompts
         ]
         self.max_new_tokens, self.cache, self.params = max_new_tokens, cache, params
-        self.stats = {"generated_tokens": 0, "drafted_tokens": 0, "accepted_tokens": 0, "verify_steps": 0,
-                      "sequence_steps": 0}  # fmt: skip
+        self.stats = {
+            "generated_tokens": 0,
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
+            "verify_steps": 0,
+            "sequence_steps": 0,
+        }
         if max_new_tokens == 0:
             for s in self.seqs:
                 s.done = True
@@ -133,8 +138,20 @@ def tree_inputs(context_len: int, draft: DraftTree):
 
 
 @torch.no_grad()
-def speculative_sample(model, prompts, max_new_tokens, *, cache, temperature=1.0, top_k=None, top_p=None,
-                       eos_token_id=None, generator=None, max_draft_tokens=32, progress=None) -> Rollout:  # fmt: skip
+def speculative_sample(
+    model,
+    prompts,
+    max_new_tokens,
+    *,
+    cache,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    eos_token_id=None,
+    generator=None,
+    max_draft_tokens=32,
+    progress=None,
+) -> Rollout:
     """Exact speculative sampling with draft trees from ``cache`` (readable: recomputes the whole prefix).
 
     Same output distribution as :func:`sample`; each step verifies every
