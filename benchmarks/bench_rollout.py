@@ -10,31 +10,30 @@ across epochs, ``--samples`` samples per prompt. The same is done with the
 random-weights model, where there is nothing to reuse (without EOS unless
 ``--random-eos``: its random completion lengths would decide the throughput).
 
-Speed figures are gated on correctness checks in the same run (float32
-copies): greedy dta_fast.sample == dta_ref.sample, greedy speculative with
-right and wrong caches == plain greedy, and sampled speculative logprobs ==
-teacher-forced logprobs. Writes JSON and a plot, prints a table last.
+The policy is shapes.MODELS["llama-24m"]. Speed figures are gated on
+correctness checks in the same run, before any timing (float32 copies):
+greedy dta_fast.sample == dta_ref.sample, greedy speculative with right,
+wrong and empty caches == plain greedy, and sampled speculative logprobs ==
+teacher-forced logprobs; a red gate stops the run with no speed figure.
+Writes results/rollout_<GPU>.json and its plot, prints a table last.
 
-    python benchmarks/bench_rollout.py --out benchmarks/results
+    python benchmarks/bench_rollout.py [--train-seconds 150] [--prompts 4] [--samples 16] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import math
 import os
 import random
-import sys
 import time
 
+import harness
+import shapes
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import dta_fast  # noqa: E402
-import dta_ref  # noqa: E402
+import dta_fast
+import dta_ref
 
 BOS, SEP, EOS = 1, 2, 3
 VOCAB = 512
@@ -82,16 +81,15 @@ def is_templated(prompt, completion):
     return completion[pos:] == [EOS]
 
 
-def build_model(device, seed=0):
-    import transformers
+MODEL = "llama-24m"
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
-        attention_dropout=0.0, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).to(device)
+
+def build_model(device, seed=0, shape: shapes.ModelShape | None = None):
+    """The policy (shapes.MODELS[MODEL], or ``shape``) in float32, with this task's special tokens."""
+    shape = shape or shapes.MODELS[MODEL]
+    # drawn on the CPU, then moved: the weights of the measured runs
+    model = shape.build("cpu", dtype=torch.float32, seed=seed, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
+    return model.to(device)
 
 
 def train(model, seconds, batch, device, log):
@@ -127,26 +125,26 @@ def train(model, seconds, batch, device, log):
 # ------------------------------------------------------------------ correctness gate
 
 
-def gate(model, device, log):
+def gate(model, device, log, length=160, reference_length=24):
     """Float32 checks that every timed path samples what the reference samples."""
     m = copy.deepcopy(model).float().eval()
     rng = random.Random(7)
     prompts = [make_prompt(rng) for _ in range(3)]
     checks = {}
-    ref = dta_ref.sample(m, prompts[:2], 24, temperature=0)
-    fast = dta_fast.sample(m, prompts[:2], 24, temperature=0)
+    ref = dta_ref.sample(m, prompts[:2], reference_length, temperature=0)
+    fast = dta_fast.sample(m, prompts[:2], reference_length, temperature=0)
     checks["greedy fast.sample == ref.sample"] = fast.completions == ref.completions
-    plain = dta_fast.sample(m, prompts, 160, temperature=0)
+    plain = dta_fast.sample(m, prompts, length, temperature=0)
     right = dta_ref.RolloutCache()
     wrong = dta_ref.RolloutCache()
     for p, c in zip(prompts, plain.completions):
         right.add(p, c)
-        wrong.add(p, c[:40] + [(t + 1) % VOCAB for t in c[40:]])
+        wrong.add(p, c[: length // 4] + [(t + 1) % VOCAB for t in c[length // 4 :]])
     for name, cache in (("right", right), ("wrong", wrong), ("empty", dta_ref.RolloutCache())):
-        spec = dta_fast.speculative_sample(m, prompts, 160, cache=cache, temperature=0)
+        spec = dta_fast.speculative_sample(m, prompts, length, cache=cache, temperature=0)
         checks[f"greedy speculative ({name} cache) == plain"] = spec.completions == plain.completions
     g = torch.Generator(device=device).manual_seed(3)
-    spec = dta_fast.speculative_sample(m, prompts * 2, 160, cache=right, generator=g, eos_token_id=EOS)
+    spec = dta_fast.speculative_sample(m, prompts * 2, length, cache=right, generator=g, eos_token_id=EOS)
     with torch.no_grad():
         flat = dta_ref.flat_logprobs(m, [p + c for p, c in zip(prompts * 2, spec.completions)])
     err = 0.0
@@ -166,27 +164,26 @@ def gate(model, device, log):
 DEVICE = "cuda"
 
 
-def sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn):
-    sync()
-    t = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t
+    seconds, out = harness.wall_seconds(fn)
+    return out, seconds
 
 
 def hf_generate(model, prompts, max_new_tokens, seed, eos=EOS):
     ids = torch.tensor(prompts, device=DEVICE)  # prompts share one length: no padding
     torch.manual_seed(seed)
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
         min_new_tokens=max_new_tokens if eos is None else 0,
-    )  # fmt: skip
+    )
     gen = out[:, ids.shape[1] :].tolist()
     completions = []
     for g in gen:
@@ -196,8 +193,13 @@ def hf_generate(model, prompts, max_new_tokens, seed, eos=EOS):
 
 def row(name, epoch, completions, seconds, stats, prompts):
     tokens = sum(map(len, completions))
-    r = {"method": name, "epoch": epoch, "tokens": tokens, "seconds": round(seconds, 3),
-         "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+    r = {
+        "method": name,
+        "epoch": epoch,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
     if stats and "accepted_tokens" in stats:
         r["accepted_per_sequence_step"] = round(stats["accepted_tokens"] / max(1, stats["sequence_steps"]), 2)
         r["tokens_per_sequence_step"] = round(stats["generated_tokens"] / max(1, stats["sequence_steps"]), 2)
@@ -240,9 +242,17 @@ def throughput(model, label, prompts, args, log):
     cache = dta_ref.RolloutCache()
 
     def speculative(epoch):
-        out, s = timed(lambda: dta_fast.speculative_sample(
-            model, prompts, args.max_new_tokens, cache=cache, generator=gen(10 + epoch),
-            max_draft_tokens=args.max_draft_tokens, **kw))  # fmt: skip
+        out, s = timed(
+            lambda: dta_fast.speculative_sample(
+                model,
+                prompts,
+                args.max_new_tokens,
+                cache=cache,
+                generator=gen(10 + epoch),
+                max_draft_tokens=args.max_draft_tokens,
+                **kw,
+            )
+        )
         rows.append(row(f"{label}: speculative", epoch, out.completions, s, out.stats, prompts))
         log(f"  {rows[-1]}")
 
@@ -261,8 +271,8 @@ def throughput(model, label, prompts, args, log):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train-seconds", type=float, default=150)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=4)
@@ -273,43 +283,50 @@ def main():
     ap.add_argument("--max-draft-tokens", type=int, default=32)
     ap.add_argument("--no-hf", dest="hf", action="store_false")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs, interleaved with the speculative epochs")
-    ap.add_argument("--random-repeats", type=int, default=5,
-                    help="random-weights runs of each engine, interleaved (run-to-run noise is ~10%%: a model this "
-                         "small is bound by the host)")
-    ap.add_argument("--random-eos", action="store_true",
-                    help="random-weights rows with EOS (by default none: every run then generates the same number "
-                         "of tokens, where with EOS the runs' random lengths decide their throughput)")
-    ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    ap.add_argument(
+        "--random-repeats",
+        type=int,
+        default=5,
+        help="random-weights runs of each engine, interleaved (run-to-run noise is ~10%%: a model this "
+        "small is bound by the host)",
+    )
+    ap.add_argument(
+        "--random-eos",
+        action="store_true",
+        help="random-weights rows with EOS (by default none: every run then generates the same number "
+        "of tokens, where with EOS the runs' random lengths decide their throughput)",
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     device = torch.device("cuda")
-    lines = []
 
     def log(msg):
         print(msg, flush=True)
-        lines.append(msg)
 
-    gpu = torch.cuda.get_device_name()
+    gpu = harness.device_name()
     log(f"{gpu}, torch {torch.__version__}")
     rng = random.Random(99)
     task_prompts = [make_prompt(rng) for _ in range(args.prompts)]
     prompts = [p for p in task_prompts for _ in range(args.samples)]  # a group's samples side by side
-    result = {"gpu": gpu, "args": vars(args), "command": " ".join(["python"] + sys.argv)}
+    meta = {"args": vars(args)}
 
     random_model = build_model(device, seed=1).to(torch.bfloat16).eval()
     nparams = sum(p.numel() for p in random_model.parameters())
-    result["parameters"] = nparams
+    meta["parameters"] = nparams
     log(f"model: Llama, {nparams / 1e6:.1f}M parameters, vocab {VOCAB}")
 
     model = build_model(device, seed=0)
     log("training")
-    result["training"] = train(model, args.train_seconds, args.batch, device, log)
+    meta["training"] = train(model, args.train_seconds, args.batch, device, log)
     checks, err = gate(model, device, log)
-    result["gate"] = {"checks": checks, "logprob_max_abs_err": err, "passed": all(checks.values())}
-    if not result["gate"]["passed"]:
-        log("correctness gate FAILED: no speed figures")
-        json.dump(result, open(os.path.join(args.out, "rollout.json"), "w"), indent=1)
-        sys.exit(1)
+    meta["gate"] = {"checks": checks, "logprob_max_abs_err": err, "passed": all(checks.values())}
+    if not meta["gate"]["passed"]:
+        harness.write_results("rollout", [], args.out, **meta)
+        raise SystemExit("correctness gate FAILED: no speed figures")
     model = model.to(torch.bfloat16).eval()
 
     log("trained policy")
@@ -320,18 +337,27 @@ def main():
     rargs.max_new_tokens, rargs.no_eos = args.random_max_new_tokens, not args.random_eos
     rargs.epochs = rargs.repeats = args.random_repeats
     rows += throughput(random_model, "random", prompts, rargs, log)
-    result["rows"] = rows
+    meta["summary"] = summarize(rows, args)
+    path = harness.write_results("rollout", rows, args.out, **meta)
+    plot(
+        rows,
+        path.with_suffix(".png"),
+        f"rollout throughput, {gpu}, {args.prompts} prompts x {args.samples} samples, temperature 1",
+    )
+    print_table(rows, meta["summary"])
+
+
+def summarize(rows, args) -> dict:
+    """Every row against the plain engine's median run (``vs_plain_median``, in place), and the ratios."""
 
     def speed(label, method, epoch=0):
         return next(r["tokens_per_s"] for r in rows if r["method"] == f"{label}: {method}" and r["epoch"] == epoch)
 
     def plain_median(label):
-        runs = sorted(r["tokens_per_s"] for r in rows if r["method"] == f"{label}: dta_fast.sample")
-        return runs[len(runs) // 2]
+        return harness.median([r["tokens_per_s"] for r in rows if r["method"] == f"{label}: dta_fast.sample"])
 
-    for r in rows:  # every row against the plain engine's median run
+    for r in rows:
         r["vs_plain_median"] = round(r["tokens_per_s"] / plain_median(r["method"].split(":")[0]), 3)
-
     summary = {
         "trained: speculative / plain, by epoch": [
             round(speed("trained", "speculative", e) / plain_median("trained"), 2) for e in range(args.epochs)
@@ -340,8 +366,9 @@ def main():
             round(speed("random", "speculative", e) / plain_median("random"), 3) for e in range(args.random_repeats)
         ],
         "random: median speculative / median plain": round(
-            sorted(speed("random", "speculative", e) for e in range(args.random_repeats))[args.random_repeats // 2]
-            / plain_median("random"), 3
+            harness.median([speed("random", "speculative", e) for e in range(args.random_repeats)])
+            / plain_median("random"),
+            3,
         ),
     }
     if args.hf:
@@ -349,41 +376,54 @@ def main():
         summary["trained: speculative (last epoch) / HF generate"] = round(
             speed("trained", "speculative", args.epochs - 1) / speed("trained", "HF generate"), 2
         )
-    result["summary"] = summary
-    name = gpu.replace(" ", "_")
-    json.dump(result, open(os.path.join(args.out, f"rollout_{name}.json"), "w"), indent=1)
+    return summary
 
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+def plot(rows, path, title):
+    labels = [r["method"] + (f" e{r['epoch']}" if "speculative" in r["method"] else "") for r in rows]
+    return harness.plot_bars(
+        path,
+        labels,
+        {"tokens/s": [r["tokens_per_s"] for r in rows]},
+        ylabel="generated tokens / s",
+        title=title,
+        horizontal=True,
+    )
 
-        fig, ax = plt.subplots(figsize=(9, 4))
-        labels = [f"{r['method']}" + (f" e{r['epoch']}" if "speculative" in r["method"] else "") for r in rows]
-        ax.barh(range(len(rows)), [r["tokens_per_s"] for r in rows], color=[
-            "tab:green" if "speculative" in r["method"] else "tab:gray" for r in rows])  # fmt: skip
-        ax.set_yticks(range(len(rows)), labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("generated tokens / s")
-        ax.set_title(f"rollout throughput, {gpu}, {args.prompts} prompts x {args.samples} samples, temperature 1")
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, f"rollout_{name}.png"), dpi=120)
-    except ImportError:
-        pass
 
-    log("")
-    log("| method | epoch / run | tokens/s | vs plain median | ms per verify step | tokens per seq-step | "
-        "accepted per seq-step | accepted per verify step | templated | mean len |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        log(f"| {r['method']} | {r['epoch']} | {r['tokens_per_s']:.0f} | {r['vs_plain_median']:.2f}x | "
-            f"{r.get('ms_per_verify_step', '-')} | {r.get('tokens_per_sequence_step', 1.0)} | "
-            f"{r.get('accepted_per_sequence_step', '-')} | {r.get('accepted_per_verify_step', '-')} | "
-            f"{r['templated']} | {r['mean_length']} |")  # fmt: skip
+def print_table(rows, summary):
+    table = [
+        [
+            r["method"],
+            r["epoch"],
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['vs_plain_median']:.2f}x",
+            r.get("ms_per_verify_step", "-"),
+            r.get("tokens_per_sequence_step", 1.0),
+            r.get("accepted_per_sequence_step", "-"),
+            r.get("accepted_per_verify_step", "-"),
+            r["templated"],
+            r["mean_length"],
+        ]
+        for r in rows
+    ]
+    harness.print_table(
+        [
+            "method",
+            "epoch / run",
+            "tokens/s",
+            "vs plain median",
+            "ms per verify step",
+            "tokens per seq-step",
+            "accepted per seq-step",
+            "accepted per verify step",
+            "templated",
+            "mean len",
+        ],
+        table,
+    )
     for k, v in summary.items():
-        log(f"{k}: {v}")
-    open(os.path.join(args.out, f"rollout_{name}.txt"), "w").write("\n".join(lines) + "\n")
+        print(f"{k}: {v}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 """TRL GRPO training steps: GRPOTrainer against TreeGRPOTrainer on the tensors TRL passes.
 
-One micro-batch per prompt: G completions of up to R tokens (lengths spread
-over [R/2, R], right-padded) after a prompt of P tokens, laid out as
-GRPOTrainer lays it out (``prompt_ids``/``prompt_mask`` | ``completion_ids``/
-``completion_mask``, advantages, old logprobs). Both trainers are built
-with the same GRPOConfig on a Qwen2-0.5B-shaped model (random weights, bf16,
-a word-level tokenizer built in code) and each step is the trainer's own
-``_compute_loss`` followed by ``backward``, with gradient checkpointing off
-and on (GRPOConfig's default). Timed with CUDA events (median after
-warm-up), peak memory per step; the per-call cost of building the tree from
-the padded batch is timed on its own. Gate: the two trainers' losses,
-per-token logprobs and gradients agree within bf16 rounding.
+    python benchmarks/bench_trl.py [--groups P1K-G8-R1K P2K-G8-R1K P2K-G16-R1K] [--repeats 3] [--out DIR]
 
-    python benchmarks/bench_trl.py                      # writes benchmarks/results/trl_grpo_<GPU>.json
+One micro-batch per prompt: the G completions of a shapes.ROLLOUTS GRPO set (up to R tokens, lengths
+spread over [R/2, R], right-padded) after its prompt of P tokens, laid out as GRPOTrainer lays it out
+(``prompt_ids``/``prompt_mask`` | ``completion_ids``/``completion_mask``, advantages, old logprobs).
+Both trainers are built with the same GRPOConfig on the Qwen2-0.5B shape (shapes.MODELS, random
+weights, bf16, a word-level tokenizer built in code) and each step is the trainer's own
+``_compute_loss`` followed by ``backward``, with gradient checkpointing off and on (GRPOConfig's
+default). Gate, before any timing: one step of each trainer, losses, per-token logprobs and gradients
+agreeing within bf16 rounding (loss 2e-2, gradients 5e-2 relative); a red gate leaves the pair
+untimed. Timed with CUDA events (median of ``--repeats`` after the gate's step), peak memory per
+step; the per-call cost of building the tree from the padded batch is timed on its own. Writes
+results/trl_grpo_<GPU>.json and prints the table last.
 """
 
 from __future__ import annotations
@@ -20,18 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 
+import harness
+import shapes
 import torch
 
-GROUPS = {"P1K-G8-R1K": (1024, 8, 1024), "P2K-G8-R1K": (2048, 8, 1024), "P2K-G16-R1K": (2048, 16, 1024)}
-QWEN2_05B = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=32768, attention_dropout=0.0,
-    tie_word_embeddings=True,
-)  # fmt: skip
+GROUPS = {"P1K-G8-R1K": "grpo_p1k_n8_r1k", "P2K-G8-R1K": "grpo_p2k_n8_r1k", "P2K-G16-R1K": "grpo_p2k_n16_r1k"}
+MODEL = "qwen2-0.5b"
+LOSS_TOLERANCE, GRAD_TOLERANCE = 2e-2, 5e-2
 
 
 def tokenizer():
@@ -47,14 +45,23 @@ def build_trainer(trainer_cls, config_cls, model, group_size, completion_length,
     import datasets
 
     args = config_cls(
-        output_dir=out_dir, per_device_train_batch_size=group_size, num_generations=group_size,
-        max_completion_length=completion_length, bf16=True, gradient_checkpointing=checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, report_to="none", save_strategy="no",
-    )  # fmt: skip
+        output_dir=out_dir,
+        per_device_train_batch_size=group_size,
+        num_generations=group_size,
+        max_completion_length=completion_length,
+        bf16=True,
+        gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        report_to="none",
+        save_strategy="no",
+    )
     trainer = trainer_cls(
-        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": ["a"] * group_size}), processing_class=tokenizer(),
-    )  # fmt: skip
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["a"] * group_size}),
+        processing_class=tokenizer(),
+    )
     # set by the training loop, which this step skips
     trainer.current_gradient_accumulation_steps = 1
     if checkpointing:
@@ -64,7 +71,7 @@ def build_trainer(trainer_cls, config_cls, model, group_size, completion_length,
     return trainer
 
 
-def micro_batch(prompt_length, group_size, completion_length, vocab, seed=0):
+def micro_batch(prompt_length, group_size, completion_length, vocab, seed=0, device="cuda"):
     """One prompt and its G completions, as GRPOTrainer hands them to _compute_loss."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (prompt_length,), generator=gen)
@@ -74,11 +81,14 @@ def micro_batch(prompt_length, group_size, completion_length, vocab, seed=0):
     completion_ids = completion_ids * completion_mask  # pad id 0
     advantages = torch.randn(group_size, generator=gen)
     inputs = dict(
-        prompt_ids=prompt.expand(group_size, -1).clone(), prompt_mask=torch.ones(group_size, prompt_length).long(),
-        completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages,
+        prompt_ids=prompt.expand(group_size, -1).clone(),
+        prompt_mask=torch.ones(group_size, prompt_length).long(),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
         num_items_in_batch=completion_mask.sum().float(),
-    )  # fmt: skip
-    return {k: v.cuda() for k, v in inputs.items()}
+    )
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def ideal_speedup(model, prompt_length, lengths):
@@ -95,7 +105,9 @@ def ideal_speedup(model, prompt_length, lengths):
     flat_pairs = sum((prompt_length + n) * (prompt_length + n + 1) // 2 for n in lengths)
     tree_tokens = prompt_length + sum(lengths)
     tree_pairs = prompt_length * (prompt_length + 1) // 2 + sum(n * prompt_length + n * (n + 1) // 2 for n in lengths)
-    return (6 * dense * flat_tokens + per_pair * flat_pairs + head) / (6 * dense * tree_tokens + per_pair * tree_pairs + head)
+    return (6 * dense * flat_tokens + per_pair * flat_pairs + head) / (
+        6 * dense * tree_tokens + per_pair * tree_pairs + head
+    )
 
 
 def behaviour_logprobs(trainer, inputs, spread=0.05):
@@ -103,34 +115,49 @@ def behaviour_logprobs(trainer, inputs, spread=0.05):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, inputs["completion_ids"].shape[1])
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, inputs["completion_ids"].shape[1]
+        )
     noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(1)).to(logps)
     return (logps.float() + spread * noise) * inputs["completion_mask"]
 
 
-def timed_step(trainer, inputs, repeats):
-    """Median step (CUDA events), peak GiB, loss, logprobs and gradients of _compute_loss + backward."""
+def step_result(trainer, inputs):
+    """Peak GiB, loss, logprobs and gradients of one _compute_loss + backward from unset gradients."""
     model = trainer.model
-    times, peak = [], 0.0
-    for r in range(repeats + 1):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = trainer._compute_loss(model, inputs)
-        loss.backward()
-        end.record()
-        torch.cuda.synchronize()
-        if r:
-            times.append(start.elapsed_time(end) / 1e3)
-        peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    harness.reset_peak()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    harness.sync()
+    peak = harness.peak_allocated_gib()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]).cpu()
     with torch.no_grad():
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].shape[1])
-    return statistics.median(times), peak, float(loss), logps.float(), grads
+    return peak, float(loss), logps.float(), grads
+
+
+def step_seconds(trainer, inputs, repeats):
+    """Median seconds (CUDA events) and peak GiB of ``repeats`` steps of _compute_loss + backward."""
+    model = trainer.model
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        trainer._compute_loss(model, inputs).backward()
+
+    harness.reset_peak()
+    times = harness.event_times(step, n=repeats)
+    return harness.median(times) / 1e3, harness.peak_allocated_gib()
+
+
+def trl_gate(name, base, tree, mask) -> tuple[harness.Gate, float]:
+    """TreeGRPOTrainer's step against GRPOTrainer's: the gate on the loss and the gradients, and the
+    logprobs' largest difference (recorded)."""
+    errors = dict(loss=abs(tree[1] - base[1]) / max(abs(base[1]), 1e-12), grad=harness.relative_error(tree[3], base[3]))
+    check = harness.Gate(name, errors, dict(loss=LOSS_TOLERANCE, grad=GRAD_TOLERANCE))
+    return check, float((tree[2] - base[2])[mask].abs().max())
 
 
 def tree_build_ms(inputs, repeats=5):
@@ -148,78 +175,117 @@ def tree_build_ms(inputs, repeats=5):
     return best * 1e3
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
+    return p
 
-    import transformers
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     from trl import GRPOConfig, GRPOTrainer
 
     from dta_fast.trl import TreeGRPOConfig, TreeGRPOTrainer
 
-    config = transformers.Qwen2Config(**QWEN2_05B)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        weights = transformers.Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    weights = shapes.build_model(MODEL)
     state = {k: v.clone() for k, v in weights.state_dict().items()}
-    gpu = torch.cuda.get_device_name()
+    trainers = (("GRPOTrainer", GRPOTrainer, GRPOConfig), ("TreeGRPOTrainer", TreeGRPOTrainer, TreeGRPOConfig))
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         for key in args.groups:
-            P, G, R = GROUPS[key]
-            inputs = micro_batch(P, G, R, config.vocab_size)
+            grpo = shapes.ROLLOUTS[GROUPS[key]]
+            P, G, R = grpo.prompt, grpo.responses, grpo.response
+            inputs = micro_batch(P, G, R, weights.config.vocab_size)
             lengths = inputs["completion_mask"].sum(1).tolist()
-            row = dict(group=key, prompt=P, completions=G, completion_length=R, completion_tokens=sum(lengths),
-                       ideal_speedup=ideal_speedup(weights, P, lengths), tree_build_ms=tree_build_ms(inputs), runs={})  # fmt: skip
+            row = dict(
+                group=key,
+                rollouts=GROUPS[key],
+                prompt=P,
+                completions=G,
+                completion_length=R,
+                completion_tokens=sum(lengths),
+                ideal_speedup=ideal_speedup(weights, P, lengths),
+                tree_build_ms=tree_build_ms(inputs),
+                runs={},
+            )
             for checkpointing in (False, True):
-                results = {}
-                for name, trainer_cls, config_cls in (
-                    ("GRPOTrainer", GRPOTrainer, GRPOConfig), ("TreeGRPOTrainer", TreeGRPOTrainer, TreeGRPOConfig)
-                ):  # fmt: skip
+                built, results = {}, {}
+                for name, trainer_cls, config_cls in trainers:  # the gate's step of each, first
                     weights.load_state_dict(state)
-                    trainer = build_trainer(trainer_cls, config_cls, weights, G, R, checkpointing, out_dir)
+                    built[name] = build_trainer(trainer_cls, config_cls, weights, G, R, checkpointing, out_dir)
                     if "old_per_token_logps" not in inputs:  # near the policy, so the loss depends on the logprobs
-                        inputs["old_per_token_logps"] = behaviour_logprobs(trainer, inputs)
+                        inputs["old_per_token_logps"] = behaviour_logprobs(built[name], inputs)
                     try:
-                        results[name] = timed_step(trainer, inputs, args.repeats)
+                        results[name] = step_result(built[name], inputs)
                     except torch.OutOfMemoryError:
                         results[name] = None
-                    del trainer
-                    torch.cuda.empty_cache()
+                    harness.empty_cache()
                 base, tree = results["GRPOTrainer"], results["TreeGRPOTrainer"]
                 run = {}
-                for name, res in results.items():
-                    run[name] = None if res is None else dict(step_s=res[0], peak_gib=res[1], loss=res[2])
                 if base and tree:
-                    mask = inputs["completion_mask"].bool()
-                    run["loss_rel_diff"] = abs(tree[2] - base[2]) / max(abs(base[2]), 1e-12)
-                    run["logprob_max_abs_diff"] = float((tree[3] - base[3])[mask].abs().max())
-                    run["grad_rel_diff"] = float((tree[4] - base[4]).norm() / base[4].norm())
-                    run["gate"] = run["loss_rel_diff"] < 2e-2 and run["grad_rel_diff"] < 5e-2
-                    run["speedup"] = base[0] / tree[0]
+                    check, logprob_diff = trl_gate(
+                        f"{key}, checkpointing {checkpointing}", base, tree, inputs["completion_mask"].bool()
+                    )
+                    run.update(
+                        loss_rel_diff=check.errors["loss"],
+                        grad_rel_diff=check.errors["grad"],
+                        logprob_max_abs_diff=logprob_diff,
+                        gate=check.ok,
+                    )
+                    if not check.ok:
+                        print(f"gate {check}", flush=True)
+                for name, res in results.items():  # a trainer is timed alone only where the other ran out
+                    if res is None or (base and tree and not run["gate"]):
+                        run[name] = None if res is None else dict(loss=res[1])
+                        continue
+                    seconds, peak = step_seconds(built[name], inputs, args.repeats)
+                    run[name] = dict(step_s=seconds, peak_gib=max(peak, res[0]), loss=res[1])
+                if run.get("gate") and run["GRPOTrainer"] and run["TreeGRPOTrainer"]:
+                    run["speedup"] = run["GRPOTrainer"]["step_s"] / run["TreeGRPOTrainer"]["step_s"]
                     run["fraction_of_ideal"] = run["speedup"] / row["ideal_speedup"]
+                del built, results
+                harness.empty_cache()
                 row["runs"]["ckpt" if checkpointing else "no_ckpt"] = run
                 print(json.dumps({key: {"ckpt" if checkpointing else "no_ckpt": run}}), flush=True)
             rows.append(row)
+            harness.write_results(
+                "trl_grpo", rows, args.out, key=lambda r: r["group"], model=f"{MODEL} shape, bf16, sdpa"
+            )
+    print_table(rows)
 
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"trl_grpo_{gpu.split()[-1]}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(dict(gpu=gpu, torch=torch.__version__, model="qwen2-0.5b shape, bf16, sdpa", rows=rows), f, indent=1)
-    print(f"\n{gpu}; _compute_loss + backward per micro-batch (one prompt, G completions); CUDA-event medians")
-    print(f"{'group':<13} {'ckpt':<5} {'GRPOTrainer s':>13} {'GiB':>6} {'Tree s':>8} {'GiB':>6} {'speedup':>8} "
-          f"{'ideal':>6} {'of ideal':>8} {'build ms':>8} {'gate':>5}")  # fmt: skip
+
+def print_table(rows):
+    def fmt(r, k):
+        return f"{r[k]:.3f}" if r and k in r else ("OOM" if r is None else "-")
+
+    table = []
     for row in rows:
         for mode, run in row["runs"].items():
-            b, t = run["GRPOTrainer"], run["TreeGRPOTrainer"]
-            fmt = lambda r, k: f"{r[k]:.3f}" if r else "OOM"  # noqa: E731
-            print(f"{row['group']:<13} {mode == 'ckpt'!s:<5} {fmt(b, 'step_s'):>13} {fmt(b, 'peak_gib'):>6} "
-                  f"{fmt(t, 'step_s'):>8} {fmt(t, 'peak_gib'):>6} {run.get('speedup', float('nan')):>8.2f} "
-                  f"{row['ideal_speedup']:>6.2f} {run.get('fraction_of_ideal', float('nan')):>8.2f} "
-                  f"{row['tree_build_ms']:>8.1f} {'ok' if run.get('gate') else 'FAIL':>5}")  # fmt: skip
+            b, t = run.get("GRPOTrainer"), run.get("TreeGRPOTrainer")
+            gate = "-" if "gate" not in run else ("ok" if run["gate"] else "FAIL")
+            table.append(
+                [
+                    row["group"],
+                    mode == "ckpt",
+                    fmt(b, "step_s"),
+                    fmt(b, "peak_gib"),
+                    fmt(t, "step_s"),
+                    fmt(t, "peak_gib"),
+                    harness.cell(run.get("speedup")),
+                    f"{row['ideal_speedup']:.2f}",
+                    harness.cell(run.get("fraction_of_ideal")),
+                    f"{row['tree_build_ms']:.1f}",
+                    gate,
+                ]
+            )
+    harness.print_table(
+        ["group", "ckpt", "GRPOTrainer s", "GiB", "Tree s", "GiB", "speedup", "ideal", "of ideal", "build ms", "gate"],
+        table,
+        title=f"{harness.device_name()}; _compute_loss + backward per micro-batch (one prompt, G "
+        "completions); CUDA-event medians",
+    )
 
 
 if __name__ == "__main__":

@@ -1,138 +1,407 @@
-"""The benchmark scripts' own machinery on small trees: the timings need a GPU, but the parts that
-build schedules, check them and load kernel copies run anywhere, and a change to the library's
-internals should break here rather than on a GPU machine at measuring time."""
+"""The benchmarks' own machinery on small cases: the timings need a GPU, but the shape registry, the
+harness's gate, every script's argument parser and the parts that gate and plan run anywhere (the kernels
+under the Triton interpreter), so that a change to the library breaks here rather than on a GPU machine at
+measuring time."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import math
+import random
+import shutil
+import subprocess
 import sys
+import tempfile
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "dev")]
 
-import attention_timeline  # noqa: E402
-import bench_schedule  # noqa: E402
-import compare_attention  # noqa: E402
+import bench_attention  # noqa: E402
+import harness  # noqa: E402
+import shapes  # noqa: E402
 
 import dta_fast  # noqa: E402
-from dta_ref import PrefixTree, grpo_batch  # noqa: E402
+from dta_ref import PrefixTree, SFTLoss, grpo_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCRIPTS = [
+    "bench_attention",
+    "bench_training",
+    "bench_distributed",
+    "bench_rollout",
+    "bench_trl",
+    "bench_partition",
+    "attention_timeline",
+    "bench_cuda_graphs",
+    "bench_power",
+    "bench_schedule",
+    "compare_attention",
+    "memory_snapshot",
+    "profile_step",
+]
+TINY_QWEN2 = shapes.ModelShape("qwen2", 32, 64, 2, 4, 2, 8, 300)
 
 
+@pytest.fixture(scope="module")
+def tiny_model():
+    return TINY_QWEN2.build("cpu", dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_every_rollout_set_builds_its_tree_once_named():
+    names = [r.name for r in shapes.ROLLOUTS.values()]
+    assert len(set(names)) == len(names)
+    for key, rollouts in shapes.ROLLOUTS.items():
+        tree = shapes.tree(rollouts)
+        assert tree.num_sequences == len(rollouts.sequences()), key
+        assert tree.num_tokens <= tree.flat_tokens, key
+
+
+@pytest.mark.parametrize(
+    ("key", "vocab", "unique", "flat"),
+    [
+        ("grpo_p2k_n8_r1k", shapes.VOCAB, 10240, 24576),
+        ("agentic_4x4x8", shapes.VOCAB, 58400, 860800),
+        ("agentic_irregular", 151936, 119726, 1138148),
+        ("agentic_long_10x4", 151936, 1074800, 1268000),
+        ("causal_16k", shapes.VOCAB, 16384, 16384),
+    ],
+)
+def test_registry_trees_are_the_documented_ones(key, vocab, unique, flat):
+    """The token counts docs/benchmarks.md gives for these trees."""
+    tree = shapes.tree(key, vocab_size=vocab)
+    assert (tree.num_tokens, tree.flat_tokens) == (unique, flat)
+
+
+def test_attention_cases_name_registered_shapes():
+    cases = [c for group in shapes.ATTENTION.values() for c in group]
+    assert len({(c.rollouts, c.heads) for c in cases}) == len(cases)
+    for case in cases:
+        assert case.rollouts in shapes.ROLLOUTS and case.heads in shapes.HEADS
+    assert shapes.HEADS["qwen2"] == shapes.MODELS["qwen2-0.5b"].heads
+    assert shapes.HEADS["qwen3"] == shapes.MODELS["qwen3-1.7b"].heads
+
+
+def test_model_shapes_build_on_the_meta_device():
+    sizes = {
+        name: sum(p.numel() for p in shapes.build_model(name, device="meta").parameters()) for name in shapes.MODELS
+    }
+    assert round(sizes["llama-24m"] / 1e6, 1) == 24.1  # bench_rollout.py's policy, as documented
+    assert sizes["qwen2-0.5b"] < sizes["qwen3-1.7b"]
+
+
+# ---------------------------------------------------------------- the harness
+
+
+def test_the_gate_fails_on_a_wrong_result_and_refuses_its_timing():
+    g = torch.Generator().manual_seed(0)
+    want = dict(out=torch.randn(64, 8, generator=g), dq=torch.randn(64, 8, generator=g))
+    assert harness.gate("same", {k: v.clone() for k, v in want.items()}, want).ok
+    wrong = dict(want, dq=want["dq"] * 1.1)
+    check = harness.gate("wrong", wrong, want)
+    assert not check.ok and check.errors["dq"] == pytest.approx(0.1, rel=1e-4)
+    assert not harness.gate("nan", dict(want, out=want["out"] * math.nan), want).ok
+    assert not harness.gate("missing", dict(out=want["out"]), want).ok
+    calls = []
+    with pytest.raises(harness.GateFailed):
+        harness.measure(lambda: calls.append(1), gate=check)
+    with pytest.raises(harness.GateFailed):
+        harness.measure_per_call(
+            lambda: calls.append(1), lambda: calls.append(2), gate=harness.gate("ok", want, want), per_call_gate=check
+        )
+    assert calls == []  # nothing ran: no timing exists for a red gate
+
+
+def test_gate_tolerance_per_output_and_error_over_pieces():
+    check = harness.Gate("g", dict(grad=0.04, logprob=0.3), dict(grad=5e-2, logprob=0.25))
+    assert not check.ok and check.limit("grad") == 5e-2
+    pieces = [torch.randn(3, 5), torch.randn(7, 5)]
+    other = [p + 0.01 * torch.randn_like(p) for p in pieces]
+    assert harness.relative_error(other, pieces) == pytest.approx(
+        harness.relative_error(torch.cat(other), torch.cat(pieces)), rel=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "count", "short"),
+    [
+        ("NVIDIA H100 80GB HBM3", 1, "H100"),
+        ("NVIDIA H200", 4, "H200x4"),
+        ("NVIDIA A100-SXM4-80GB", 1, "A100"),
+        ("NVIDIA GeForce RTX 4090", 1, "RTX4090"),
+        ("CPU", 1, "CPU"),
+    ],
+)
+def test_result_files_are_named_by_the_gpus_short_name(name, count, short):
+    assert harness.short_name(name, count) == short
+    assert harness.result_path("attention", "/r", short).name == f"attention_{short}.json"
+
+
+def test_results_keep_one_row_per_key_over_runs(tmp_path):
+    def key(r):
+        return r["case"]
+
+    harness.write_results("demo", [dict(case="a", ms=1.0), dict(case="b", ms=2.0)], tmp_path, key=key)
+    path = harness.write_results("demo", [dict(case="b", ms=3.0)], tmp_path, key=key)
+    meta, rows = harness.read_results(path)
+    assert path.name == f"demo_{harness.short_name()}.json" and meta["gpu"] == harness.device_name()
+    assert [(r["case"], r["ms"]) for r in rows] == [("a", 1.0), ("b", 3.0)]
+    assert "command" in rows[-1]["run"]
+
+
+def test_table_and_plot(tmp_path, capsys):
+    harness.print_table(["case", "ms"], [["a", "1.00"], ["b", "-"]], title="demo")
+    assert "demo" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    path = harness.plot_bars(
+        tmp_path / "p.png", ["a", "b"], {"x": [1.0, None], "y": [2.0, 3.0]}, ylabel="ms", title="t"
+    )
+    assert path.stat().st_size > 0
+
+
+# ---------------------------------------------------------------- the scripts
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_imports_and_parses_its_defaults(script):
+    module = importlib.import_module(script)
+    args = {"bench_training": ["speed"], "compare_attention": ["--base", "HEAD"]}.get(script, [])
+    assert isinstance(module.parser().parse_args(args), Namespace)
+
+
+def test_committed_results_read_back(tmp_path, capsys):
+    """Every file of benchmarks/results has the harness's layout; the attention table and plot draw from it."""
+    for path in (BENCHMARKS / "results").glob("*.json"):
+        meta, rows = harness.read_results(path)
+        assert path.stem.rsplit("_", 1)[1] == harness.short_name(meta["gpu"], int(meta.get("gpus", 1))), path
+        assert rows, path
+    bench_attention.main(["--plot", str(BENCHMARKS / "results" / "attention_H100.json"), "--out", str(tmp_path)])
+    assert "GRPO P=2K N=8 R=1K, 32/32 heads, D=128" in capsys.readouterr().out
+
+
+def small_problem():
+    tree = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20))
+    return bench_attention.problem("tiny", tree, shapes.Heads(4, 2, 16), DEVICE)
+
+
+def test_attention_reference_over_query_slices_is_the_whole_reference():
+    p = small_problem()
+    whole, sliced = bench_attention.reference(p), bench_attention.reference(p, budget=1)  # slices of 16 queries
+    for name in whole:
+        torch.testing.assert_close(sliced[name], whole[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.kernel
+def test_attention_benchmark_gates_every_method():
+    """bench_attention.py's gate on a small tree: the tree kernel (schedule prebuilt and per call), the
+    dense mask and SDPA on each sequence alone, all against dta_ref."""
+    tree = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20))
+    row = bench_attention.bench_case(
+        "tiny",
+        tree,
+        shapes.Heads(4, 2, 16),
+        device=DEVICE,
+        timing=False,
+        methods=("tree", "tree_call", "dense", "sdpa", "tree_fwd"),
+    )
+    assert row["gate_ok"] and {"tree", "tree_call", "dense", "sdpa", "tree_fwd"} <= set(row["gate"])
+    assert all(g["ok"] for g in row["gate"].values()), row["gate"]
+
+
+@pytest.mark.kernel
+def test_attention_benchmark_gives_no_figure_for_a_red_gate(monkeypatch):
+    wrong = lambda p, flex=None, dense=True: {"tree": lambda q, k, v: 1.1 * dta_fast.tree_attention(q, k, v, p.end)}  # noqa: E731
+    monkeypatch.setattr(bench_attention, "tree_methods", wrong)
+    tree = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20))
+    row = bench_attention.bench_case(
+        "tiny", tree, shapes.Heads(2, 2, 16), device=DEVICE, timing=True, methods=("tree",)
+    )
+    assert not row["gate_ok"] and "tree" not in row and not any(k.startswith("speedup") for k in row)
+
+
+def tiny_speed_args(*extra):
+    import bench_training
+
+    args = bench_training.parser().parse_args(["speed", "--repeats", "0", *extra])
+    args.flat_repeats = 0
+    return args
+
+
+def test_training_benchmark_runs_and_gates_on_the_cpu(tiny_model):
+    import bench_training
+
+    args = tiny_speed_args("--chunks", "0", "64", "--auto", "--flatpeak", "--skip", "flat_ckpt", "flat_kernel")
+    batches = {"tiny": ("tiny GRPO", grpo_batch(1, 40, 3, 20, vocab_size=300))}
+    (row,) = bench_training.speed(tiny_model, "tiny", batches, args)
+    methods = row["methods"]
+    assert {"flat", "packed", "tree_64", "tree_all", "auto"} <= set(methods)
+    for label in ("packed", "tree_64", "tree_all", "auto"):
+        assert methods[label]["gate_ok"] and "speedup" in methods[label], label
+    assert methods["tree_64"]["plan"]["chunks"] == 2
+    bench_training.print_speed([row])
+
+
+def test_training_benchmark_plans_on_the_meta_device():
+    import bench_training
+
+    model = TINY_QWEN2.build("meta")
+    tree = shapes.tree(shapes.Grpo(64, 4, 32), vocab_size=300)
+    rows = bench_training.plan_rows(model, tree, [0.001, 1e-9])
+    assert rows[0]["what"] == "forest arrays" and all(r["ms"] >= 0 for r in rows)
+    assert rows[-1]["chunk_tokens"] == "too small"  # a budget nothing fits
+
+
+def test_distributed_benchmark_plans_and_tables(tiny_model, capsys):
+    import bench_distributed
+
+    sequences = bench_distributed.make_batch("agentic", tasks=2, vocab_size=300)
+    assert sorted(map(len, sequences)) == sorted(map(len, shapes.agentic(2).sequences(300)))
+    costs = bench_distributed.cost_model(tiny_model)
+    for plan in bench_distributed.PLANS:
+        shards = bench_distributed.plan_for(plan, sequences, 2, costs).shards
+        assert sorted(i for s in shards for i in s) == list(range(len(sequences))), plan
+    rows = [
+        dict(
+            batch="b",
+            world_size=w,
+            plan="balanced",
+            step_seconds=s,
+            measured_balance=1.0,
+            predicted_balance=1.0,
+            gate=None if w == 1 else dict(ok=True),
+        )
+        for w, s in ((1, 4.0), (2, 2.5))
+    ]
+    bench_distributed.add_efficiency(rows)
+    assert rows[1]["efficiency"] == pytest.approx(0.8)
+    bench_distributed.summarize(rows)
+    assert "0.800" in capsys.readouterr().out
+
+
+def test_partition_benchmark_gates_the_shards(capsys):
+    import bench_partition
+
+    rows = bench_partition.run(["grpo_p512_n4_r256", "agentic_8x4x8"], [2, 4])
+    assert all(r["gate"]["ok"] and r["balance"] >= 1.0 for r in rows)
+    assert not bench_partition.shards_cover([[0, 1], [1]], 3).ok
+    bench_partition.print_table(rows)
+
+
+def test_rollout_benchmark_gate_and_task():
+    import bench_rollout
+
+    rng = random.Random(0)
+    prompt = bench_rollout.make_prompt(rng)
+    answer = bench_rollout.make_answer(prompt, rng)
+    assert bench_rollout.is_templated(prompt, answer) and not bench_rollout.is_templated(prompt, answer[1:])
+    tiny = shapes.ModelShape("llama", 32, 64, 1, 2, 1, 16, bench_rollout.VOCAB, tie_word_embeddings=False)
+    model = bench_rollout.build_model("cpu", shape=tiny)
+    checks, _ = bench_rollout.gate(model, "cpu", lambda msg: None, length=12, reference_length=6)
+    assert all(checks.values()), checks
+
+
+def test_trl_benchmark_batch_and_gate(tiny_model):
+    import bench_trl
+
+    inputs = bench_trl.micro_batch(16, 4, 8, 300, device="cpu")
+    lengths = inputs["completion_mask"].sum(1)
+    assert inputs["prompt_ids"].shape == (4, 16) and lengths.min() >= 4 and lengths.max() <= 8
+    assert bench_trl.ideal_speedup(tiny_model, 16, lengths.tolist()) > 1
+    grads = torch.randn(100)
+    base = (0.0, 1.0, torch.zeros(4, 8), grads)
+    mask = inputs["completion_mask"].bool()
+    assert bench_trl.trl_gate("same", base, (0.0, 1.0 + 1e-3, torch.zeros(4, 8), grads * 1.01), mask)[0].ok
+    assert not bench_trl.trl_gate("wrong", base, (0.0, 1.0, torch.zeros(4, 8), -grads), mask)[0].ok
+
+
+# ---------------------------------------------------------------- the maintainers' scripts (benchmarks/dev)
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_schedule_benchmark_builds_and_gates(head_dim):
     """bench_schedule.py's build (the three kernels' lists at a head dim's blocks) and its gate, the
-    block lists against a dense reference."""
+    block lists against a dense reference; a wrong list fails it."""
+    import bench_schedule
+
     end = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20)).subtree_end.to(DEVICE)
     schedule = bench_schedule.build(end, end.numel(), True, head_dim)
-    assert schedule._lists and schedule._order
-    for (BM, BN), lists in schedule._lists.items():
-        assert lists.rows() == bench_schedule.reference_rows(end, BM, BN)
-
-
-def test_compare_attention_loads_an_independent_copy():
-    """compare_attention.py's NAME=PATH: the copy is a module of its own whose results equal the
-    library's."""
-    copy = compare_attention.load("copy", dta_fast.attention.__file__)
-    assert copy is not dta_fast.attention and copy.tree_attention is not dta_fast.tree_attention
-    end = PrefixTree.from_sequences(grpo_batch(1, 24, 2, 12)).subtree_end.to(DEVICE)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, end.numel(), 16, generator=g).to(DEVICE) for _ in range(3))
-    expected = dta_fast.tree_attention(q, k, v, schedule=dta_fast.build_schedule(end))
-    assert torch.equal(copy.tree_attention(q, k, v, schedule=copy.build_schedule(end)), expected)
+    assert bench_schedule.lists_gate(schedule, end, head_dim).ok
+    other = PrefixTree.from_sequences(grpo_batch(1, 20, 6, 10)).subtree_end.to(DEVICE)
+    assert not bench_schedule.lists_gate(schedule, other, head_dim).ok
 
 
 def test_attention_timeline_counts_each_kernels_products():
     """attention_timeline.py's useful TFLOP/s: 2, 4 and 3 products per visible pair for the forward,
     dK/dV and dQ kernels by their names (the Triton and the Hopper twins), none for the passes around
     them."""
-    from dta_fast import attention, attention_hopper
+    import attention_timeline
+
+    from dta_fast.attention import hopper, kernels
 
     def name(kernel):
         while hasattr(kernel, "fn"):  # an autotuner wraps a JIT function, which wraps the Python one
             kernel = kernel.fn
         return kernel.__name__
 
-    kernels = {attention.tree_attention_fwd_kernel: 2, attention.tree_attention_bwd_dkdv_kernel: 4,
-               attention.tree_attention_bwd_dq_kernel: 3, attention.tree_attention_bwd_preprocess_kernel: None,
-               attention.finite_rows_kernel: None, attention.queries_seeing_kernel: None}  # fmt: skip
-    if attention_hopper.HAVE_GLUON:
-        kernels.update({attention_hopper.tree_attention_fwd_hopper_kernel: 2,
-                        attention_hopper.tree_attention_bwd_dkdv_hopper_kernel: 4,
-                        attention_hopper.tree_attention_bwd_dq_hopper_kernel: 3})  # fmt: skip
-    for kernel, products in kernels.items():
-        assert attention_timeline._products(name(kernel)) == products, name(kernel)
+    products = {
+        kernels.tree_attention_fwd_kernel: 2,
+        kernels.tree_attention_bwd_dkdv_kernel: 4,
+        kernels.tree_attention_bwd_dq_kernel: 3,
+        kernels.tree_attention_bwd_preprocess_kernel: None,
+        kernels.finite_rows_kernel: None,
+        kernels.queries_seeing_kernel: None,
+    }
+    if hopper.HAVE_GLUON:
+        products.update(
+            {
+                hopper.tree_attention_fwd_hopper_kernel: 2,
+                hopper.tree_attention_bwd_dkdv_hopper_kernel: 4,
+                hopper.tree_attention_bwd_dq_hopper_kernel: 3,
+            }
+        )
+    for kernel, n in products.items():
+        assert attention_timeline._products(name(kernel)) == n, name(kernel)
 
 
-def test_dq_reductions_walk_the_live_query_tiles():
-    """bench_dq_reductions.py's tiles per key block are those with a visible (query, key) pair: what
-    the dK/dV pass walks, so the timed additions are the ones a fused backward would make."""
-    import bench_dq_reductions as bench
+@pytest.mark.kernel
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_compare_attention_runs_each_version_from_its_own_tree():
+    """compare_attention.py's A/B: the base revision in a git worktree, each version in a subprocess
+    importing dta_fast from its own tree; this checkout gated against dta_ref, the base against it."""
+    import compare_attention
 
-    end = PrefixTree.from_sequences(grpo_batch(1, 300, 3, 170)).subtree_end.reshape(-1).long()
-    T = end.numel()
-    pos = torch.arange(T)
-    visible = (pos[None, :] <= pos[:, None]) & (pos[:, None] < end[None, :])  # [query, key]
-    m_lo, m_hi, order = bench.live_tiles(end)
-    for n in range(m_lo.numel()):
-        keys = visible[:, n * bench.KEYS:(n + 1) * bench.KEYS].any(1)
-        tiles = {int(i) // bench.ROWS for i in keys.nonzero()}
-        assert tiles == set(range(int(m_lo[n]), int(m_hi[n]))), n
-    assert sorted(order.tolist()) == list(range(m_lo.numel()))
-    assert (m_hi - m_lo)[order].diff().le(0).all()  # longest first
-
-
-@pytest.mark.parametrize("cached", [0, 150])
-def test_stored_ds_tiles_cover_every_walked_query_block_once(cached):
-    """bench_stored_ds.py's tile index: each key block of 128 gets a tile per query block of 64 its
-    dK/dV program walks, all tiles distinct and none left over, and every (query block, key block of
-    64) with a visible pair, what its dQ pass reads, is among them (with a cached prefix too)."""
-    import bench_stored_ds as bench
-
-    end = PrefixTree.from_sequences(grpo_batch(1, 300, 3, 170)).subtree_end.to(torch.int32).reshape(1, -1)
-    T = end.shape[1]
-    Tq = T - cached
-    base, tiles = bench.ds_tiles(end.to(DEVICE).contiguous(), Tq)
-    rows = 64
-    pos_k = torch.arange(T)
-    pos_q = torch.arange(Tq) + cached
-    visible = (pos_k[None, :] <= pos_q[:, None]) & (pos_q[:, None] < end[0][None, :].long())  # [query, key]
-    seen = []
-    for nb in range(-(-T // 128)):
-        keys = torch.arange(nb * 128, min(nb * 128 + 128, T))
-        m_lo = max(nb * 128 - cached, 0) // rows
-        m_hi = -(-(int(end[0, keys].max()) - cached) // rows)
-        seen += [int(base[nb]) + m for m in range(m_lo, m_hi)]
-        for m in {int(i) // rows for i in visible[:, keys].any(1).nonzero()}:
-            assert m_lo <= m < m_hi, (nb, m)  # the dQ pass's tile was written
-    assert sorted(seen) == list(range(tiles))
-
-
-def test_power_benchmark_times_the_passes_of_a_call():
-    """bench_power.py's passes, called as it times them, give the call's own output and gradients:
-    it times the library's passes with the arguments a call gives them."""
-    import bench_power
-
-    end = PrefixTree.from_sequences(grpo_batch(1, 30, 3, 17)).subtree_end.to(DEVICE)
-    schedule = dta_fast.build_schedule(end)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, end.numel(), 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
-    k_gqa, v_gqa = k[:, :2].detach().requires_grad_(), v[:, :2].detach().requires_grad_()
-    do = torch.randn(1, 4, end.numel(), 16, generator=g).to(DEVICE)
-    o = dta_fast.tree_attention(q, k_gqa, v_gqa, schedule=schedule)
-    o.backward(do)
-    calls = bench_power.pass_calls(q.detach(), k_gqa.detach(), v_gqa.detach(), do, schedule)
-    assert set(calls) == {"forward", "preprocess", "dkdv", "k_copy", "dq"}
-    assert torch.equal(calls["forward"]()[0], o.detach())
-    dk, dv = calls["dkdv"]()
-    assert torch.equal(dk, k_gqa.grad) and torch.equal(dv, v_gqa.grad)
-    assert torch.equal(calls["dq"](), q.grad)
+    inside = subprocess.run(
+        ["git", "-C", str(compare_attention.REPO), "rev-parse", "--is-inside-work-tree"], capture_output=True, text=True
+    )
+    if inside.returncode:
+        pytest.skip("not a git checkout")
+    with tempfile.TemporaryDirectory() as tmp, compare_attention.worktree("HEAD") as base:
+        tmp = Path(tmp)
+        (tmp / "now").mkdir()
+        torch.save(PrefixTree.from_sequences(grpo_batch(1, 24, 2, 12)).subtree_end, tmp / "end.pt")
+        spec = tmp / "cases.json"
+        spec.write_text(json.dumps([dict(name="tiny", end=str(tmp / "end.pt"), H=2, Hkv=1, D=16)]))
+        kw = dict(timing=False, device=DEVICE)
+        (now,) = compare_attention.run_version(
+            compare_attention.REPO, spec, tmp / "now.json", reference=True, save=tmp / "now", **kw
+        )
+        (other,) = compare_attention.run_version(
+            base, spec, tmp / "base.json", reference=False, against=tmp / "now", **kw
+        )
+        assert (base / "dta_fast").is_dir()
+    assert now["gate"]["ok"] and other["gate"]["ok"] and "max_abs_diff" in other
+    assert not base.exists()
 
 
 def test_power_benchmark_sample_window():
@@ -147,3 +416,37 @@ def test_power_benchmark_sample_window():
     assert sampler.window(2.2, 2.4)["mhz"] == 1600.0
     assert sampler.window(0.0, 1.0)["reasons"] == ["idle"]
     assert sampler.window(4.0, 5.0) == dict(samples=0)
+
+
+def test_memory_snapshot_marks_each_forward_and_close(tiny_model):
+    """memory_snapshot.py's marks: the chunk engine's forwards and closes, in the plan's order, and the
+    engine as it was after."""
+    import memory_snapshot
+
+    from dta_fast.chunked.engine import ChunkEngine
+
+    forward = ChunkEngine.forward
+    tree = PrefixTree.from_sequences(grpo_batch(1, 30, 3, 20, vocab_size=300))
+    with memory_snapshot.StepMarks(device="cpu") as marks:
+        dta_fast.tree_backward(tiny_model, tree, SFTLoss(tree.logprob_mask), max_chunk_tokens=32, recompute=False)
+    tiny_model.zero_grad(set_to_none=True)
+    forwards = sorted(int(label[1:]) for label in marks.labels if label[0] == "F")
+    closes = sorted(int(label[1:]) for label in marks.labels if label[0] == "B")
+    assert forwards == closes == list(range(len(forwards))) and len(forwards) > 1
+    assert marks.labels[0] == "F0" and marks.labels[-1] == "B0"
+    assert ChunkEngine.forward is forward
+
+
+def test_profile_step_sorts_kernels_into_categories():
+    import profile_step
+
+    assert profile_step.category("tree_attention_bwd_dkdv_kernel") == "attention"
+    assert profile_step.category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert profile_step.category("some_unknown_kernel") == "other"
+
+
+def test_cuda_graph_cases_are_registered():
+    import bench_cuda_graphs
+
+    for case in bench_cuda_graphs.CASES:
+        assert case.rollouts in shapes.ROLLOUTS and case.heads in shapes.HEADS
