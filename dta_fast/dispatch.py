@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dta_ref.attention import attention, mask_from_subtree_end
+from dta_ref.attention import masked_attend
 
 ATTENTION_IMPLS = ("auto", "kernel", "reference")
 TRITON_MISSING = (
@@ -23,7 +23,7 @@ TRITON_MISSING = (
     "(or use attention_impl='reference', the explicit-mask attention)"
 )
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+Attend = Callable[..., torch.Tensor]  # attend(layer, q, k, v, scale, *, window, sinks, softcap)
 
 
 def has_triton() -> bool:
@@ -51,17 +51,20 @@ def uses_kernel(device: torch.device, attention_impl: str = "auto") -> bool:
     return True
 
 
-def tree_attend(subtree_end: torch.Tensor, num_queries: int, kernel: bool) -> Attend:
-    """``attend(q, k, v, scale)`` over one tree for every layer of a forward: the kernel with one schedule
-    built once, or the reference with one mask built once. The queries are the last ``num_queries`` of the
-    ``subtree_end.shape[-1]`` key positions. The tree is taken as checked."""
+def tree_attend(subtree_end: torch.Tensor, num_queries: int, kernel: bool, position_ids=None) -> Attend:
+    """``attend(layer, q, k, v, scale, *, window, sinks, softcap)`` over one tree for every layer of a
+    forward (``adapter.hidden_states``' seam): the kernel with one schedule, or the reference with its
+    masks, built once. The queries are the last ``num_queries`` of the ``subtree_end.shape[-1]`` keys;
+    ``position_ids``, the keys' depths, serve sliding windows. The tree is taken as checked."""
     if kernel:
         from .attention import build_schedule, tree_attention
 
-        schedule = build_schedule(subtree_end, num_queries, validate=False)
-        return lambda q, k, v, scale: tree_attention(q, k, v, scale=scale, schedule=schedule)
+        schedule = build_schedule(subtree_end, num_queries, validate=False, position_ids=position_ids)
+
+        def attend(layer, q, k, v, scale, window=None, sinks=None, softcap=None):
+            return tree_attention(q, k, v, scale=scale, window=window, sinks=sinks, softcap=softcap, schedule=schedule)
+
+        return attend
     num_keys = subtree_end.shape[-1]
-    queries = torch.arange(num_keys - num_queries, num_keys, device=subtree_end.device)
-    mask = mask_from_subtree_end(subtree_end, queries)
-    mask = mask[:, None] if mask.dim() == 3 else mask  # a tree per batch row: [B, 1, Tq, Tk]
-    return lambda q, k, v, scale: attention(q, k, v, mask, scale)
+    return masked_attend(subtree_end, torch.arange(num_keys - num_queries, num_keys, device=subtree_end.device),
+                         position_ids)  # fmt: skip

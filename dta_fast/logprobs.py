@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dta_ref.adapter import adapt
 from dta_ref.attention import refuse_create_graph
+from dta_ref.checks import check_flag
 from dta_ref.logprobs import (
     LogprobsAndEntropy,
     check_logprob_mask,
@@ -344,9 +345,9 @@ def gather_logprobs_chunked(
     return LogprobsAndEntropy(*out) if entropy else out[0]
 
 
-def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto"):
-    """The last hidden states [T, hidden] of the packed forest from one forward, the model's head and the
-    tree on the model's device."""
+def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto", router_aux_loss: bool = False):
+    """The last hidden states [T, hidden] of the packed forest from one forward, the model's head, the tree on
+    the model's device, and the router auxiliary loss over the rollouts (or None)."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
@@ -354,22 +355,30 @@ def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto"):
     kernel = uses_kernel(adapter.device, attention_impl)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
-    attend = tree_attend(tree.subtree_end, tree.num_tokens, kernel)  # tree.validate() checked it
-    hidden = adapter.hidden_states(tree.tokens[None], tree.position_ids[None], lambda layer, *qkvs: attend(*qkvs))
-    return hidden[0], adapter.head, tree
+    attend = tree_attend(tree.subtree_end, tree.num_tokens, kernel, tree.position_ids)  # tree.validate() checked it
+    out = adapter.hidden_states(
+        tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss
+    )
+    if not router_aux_loss:
+        return out[0], adapter.head, tree, None
+    return out[0][0], adapter.head, tree, adapter.router_aux_loss(out[1], tree.multiplicity)
 
 
 def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, attention_impl: str = "auto"):
     """Logprobs of every rollout [N, Lmax-1] from one packed forward (the tree kernel on CUDA)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree = packed_hidden(model, tree, attention_impl)
+    hidden, head, tree, _ = packed_hidden(model, tree, attention_impl)
     return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, mask=mask)
 
 
 def tree_logprobs_and_entropy(
-    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, attention_impl: str = "auto"
-) -> LogprobsAndEntropy:
-    """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
+    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, router_aux_loss: bool = False,
+    attention_impl: str = "auto",
+) -> LogprobsAndEntropy:  # fmt: skip
+    """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward;
+    ``router_aux_loss`` as ``dta_ref.tree_logprobs_and_entropy`` says."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree = packed_hidden(model, tree, attention_impl)
-    return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True, mask=mask)
+    hidden, head, tree, aux = packed_hidden(model, tree, attention_impl, check_flag("router_aux_loss", router_aux_loss))
+    out = gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True, mask=mask)
+    out.aux_loss = aux
+    return out

@@ -81,11 +81,11 @@ class KVEngine:
         self.lengths = [0] * len(prompts)  # cached tokens per row
         self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
 
-    def _buffer(self, layer: int, k: torch.Tensor):
+    def _buffer(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if layer not in self.keys:  # first step: shapes and dtype come from the model's own k, v
-            B, H, _, D = k.shape
-            self.keys[layer] = k.new_zeros(B, H, self.capacity, D)  # zeros: unused slots are read, masked
-            self.values[layer] = k.new_zeros(B, H, self.capacity, D)
+            B, H = k.shape[:2]
+            self.keys[layer] = k.new_zeros(B, H, self.capacity, k.shape[3])  # zeros: unused slots are read, masked
+            self.values[layer] = v.new_zeros(B, H, self.capacity, v.shape[3])
         return self.keys[layer], self.values[layer]
 
     def grow(self, window: int) -> None:
@@ -116,6 +116,7 @@ class KVEngine:
         ids = np.zeros((B, Tq), dtype=np.int64)
         pos = np.zeros((B, Tq), dtype=np.int64)
         ends = np.arange(1, W + 1, dtype=np.int64)[None].repeat(B, 0)  # [B, W]: unused keys seen by nobody
+        depths = np.zeros((B, W), dtype=np.int64)  # the keys' positions, which sliding windows read
         rows = []  # flat (row, local query index) of every draw
         q0 = W - Tq
         for b, (draft, n) in enumerate(zip(drafts, self.lengths)):
@@ -124,20 +125,23 @@ class KVEngine:
             pos[b, :p] = np.arange(n, n + p)
             pos[b, p : q_len[b]] = [n + p + d for d in draft.depths()]
             ends[b, :n] = W
+            depths[b, :n] = np.arange(n)
+            depths[b, q0:] = pos[b]
             ends[b, q0 : q0 + p] = q0 + q_len[b]  # the pending chain is an ancestor of the whole draft
             ends[b, q0 + p : q0 + q_len[b]] = [q0 + p + e for e in draft.subtree_end()]
             rows.extend(b * Tq + t for t in range(p - 1, q_len[b]))
         ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
         pos_t = torch.from_numpy(pos).to(self.device, non_blocking=True)
         ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
+        depths_t = torch.from_numpy(depths).to(self.device, non_blocking=True)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        attend_tree = tree_attend(ends_t, Tq, kernel)
+        attend_tree = tree_attend(ends_t, Tq, kernel, depths_t)
 
-        def attend(layer, q, k, v, scale):
-            K, V = self._buffer(layer, k)
+        def attend(layer, q, k, v, scale, **variant):
+            K, V = self._buffer(layer, k, v)
             K[:, :, q0:W] = k  # idempotent: a repeated call writes the same values
             V[:, :, q0:W] = v
-            return attend_tree(q, K[:, :, :W], V[:, :, :W], scale)
+            return attend_tree(layer, q, K[:, :, :W], V[:, :, :W], scale, **variant)
 
         hidden = self.adapter.hidden_states(ids_t, pos_t, attend)  # [B, Tq, hidden]
         logits = self.head(hidden.flatten(0, 1)[rows_t])  # [draws, V]

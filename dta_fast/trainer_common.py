@@ -13,14 +13,17 @@ from .tree import build_tree
 
 
 def block_logprobs_and_entropy(
-    model, input_ids, attention_mask, first_column: int, temperature: float = 1.0, vocab_head=None
-):
+    model, input_ids, attention_mask, first_column: int, temperature: float = 1.0, vocab_head=None,
+    router_aux_loss: bool = False,
+):  # fmt: skip
     """Logprobs and entropies [B, L - first_column] of a padded batch's tokens from ``first_column`` on.
 
     One prefix tree of the rows, one packed forward; only the block's tokens
     are projected onto the vocabulary (by ``vocab_head``, see
     :func:`dta_fast.logprobs.gather_logprobs_chunked`). Also returns the tree
-    (its compression ratio is worth logging). A row whose block has a token
+    (its compression ratio is worth logging) and, with ``router_aux_loss``, a
+    MoE model's load-balancing loss over the rows' tokens, that of the padded
+    batch (else None). A row whose block has a token
     but nothing before it is refused: that token has no context to be
     scored from (a logprob of 0 would read as a certain token).
     """
@@ -35,13 +38,13 @@ def block_logprobs_and_entropy(
         )
     tree = build_tree(layout.sequences(input_ids))
     wanted = layout.to_tree(block, first_column, fill=False)
-    hidden, head, tree = packed_hidden(model, tree)
+    hidden, head, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss)
     out = gather_logprobs_chunked(
         hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head
     )
     columns = input_ids.shape[1] - first_column
     logprobs, entropy = (layout.from_tree(x, first_column, columns) for x in (out.logprobs, out.entropy))
-    return logprobs, entropy, tree
+    return logprobs, entropy, tree, aux
 
 
 class LinearizedLoss(TokenLoss):

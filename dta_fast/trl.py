@@ -124,6 +124,12 @@ class TreeGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         if attention_dropout_in(self.model) > 0:  # TRL's disable_dropout leaves this rate; training would refuse it
             raise ValueError(ATTENTION_DROPOUT_REFUSED)
+        if self._chunking is not None and self.aux_loss_enabled:
+            raise ValueError(
+                "tree_memory_budget_bytes / tree_max_chunk_tokens train through d loss / d logprob only, and the MoE "
+                "router's auxiliary loss is a loss on router logits: leave the tree_ chunking options unset (one "
+                "packed forward computes both) or set router_aux_loss_coef=0"
+            )
         dropout = dropout_in(self.model) if self._chunking is not None else None
         if dropout is not None:
             raise ValueError(
@@ -158,10 +164,10 @@ class TreeGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        if compute_aux_loss or any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
+        if any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
             warnings.warn(
-                "TreeGRPOTrainer: multimodal inputs and MoE auxiliary losses are not on the tree path; "
-                "this batch is scored by GRPOTrainer's own path",
+                "TreeGRPOTrainer: multimodal inputs are not on the tree path; this batch is scored by "
+                "GRPOTrainer's own path",
                 stacklevel=2,
             )
             return super()._get_per_token_logps_and_entropies(
@@ -177,17 +183,19 @@ class TreeGRPOTrainer(GRPOTrainer):
         batch_size = batch_size or input_ids.size(0)
         first = input_ids.size(1) - logits_to_keep  # the completion block's first column
         head = functools.partial(trl_vocab_head, float32=self.args.cast_lm_head_to_fp32)
-        logps, entropies = [], []
+        logps, entropies, aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
-                lp, ent, tree = block_logprobs_and_entropy(
-                    model, input_ids[rows], attention_mask[rows], first, self.temperature, head
+                lp, ent, tree, aux = block_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], first, self.temperature, head, compute_aux_loss
                 )
             self._log_compression(tree)
             logps.append(lp)
             entropies.append(ent)
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+            aux_losses.append(aux)
+        aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None  # per slice, as GRPOTrainer
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, aux_loss
 
     def _compute_loss(self, model, inputs):
         chunking = self._chunking

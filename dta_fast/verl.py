@@ -69,7 +69,7 @@ def verl_log_probs(
     real = attention_mask.bool().to(position_ids.device)
     if not torch.equal(position_ids[real], depth[real]):
         raise ValueError("position_ids must count the tokens of each row from 0 (verl's text positions)")
-    log_probs, entropy, _ = block_logprobs_and_entropy(
+    log_probs, entropy, *_ = block_logprobs_and_entropy(
         model, input_ids, attention_mask, width - response_length, temperature
     )
     return ResponseLogProbs(log_probs, entropy if calculate_entropy else None)

@@ -3,7 +3,7 @@
 Trainers hand models over wrapped: PEFT's ``PeftModel``, ``torch.compile``'s
 ``OptimizedModule``, ``DistributedDataParallel``. :func:`adapt` looks through
 the wrappers once and returns a :class:`ModelAdapter` that knows the causal LM
-inside (a :class:`dta_ref.Decoder` or a Hugging Face Llama / Qwen2 / Qwen3),
+inside (a :class:`dta_ref.Decoder` or a Hugging Face causal LM),
 its trunk (embedding + layers + final norm, attention done by a callable of
 ours), its output head, its shape, and how to run it as its user built it.
 Every entry point of dta_ref and dta_fast asks the adapter, nothing else.
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .hf import check_hf_model, hf_hidden_states, is_hf_model, sliding_window_of
+from .hf import check_hf_model, decoder_of, hf_hidden_states, is_hf_model, layers_of, logit_softcap_of, router_aux_loss
 from .model import Decoder, causal_attend
 
 
@@ -41,10 +41,15 @@ class ModelShape:
     hidden: int
     heads: int
     kv_heads: int
-    head_dim: int
-    intermediate: int
+    head_dim: int  # of queries and keys
+    intermediate: int  # the MLP's intermediate width per token: a dense MLP's, or the routed experts' together
     bytes_per_element: int
-    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3, OLMo-2, Gemma 3)
+    v_head_dim: int = 0  # of values, where it differs from head_dim (MLA); 0: head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 def _is_compiled(module) -> bool:
@@ -123,13 +128,17 @@ class ModelAdapter:
 
     @property
     def head(self) -> nn.Module:
-        """The linear map from final hidden states to vocabulary logits."""
-        return self.core.lm_head if not self.is_hf else self.core.get_output_embeddings()
+        """The map from final hidden states to vocabulary logits: the output head, and the final logit
+        softcap where the model has one (:class:`SoftcappedHead`)."""
+        if not self.is_hf:
+            return self.core.lm_head
+        head, cap = self.core.get_output_embeddings(), logit_softcap_of(self.core)
+        return head if cap is None else SoftcappedHead(head, cap)
 
     def forward_parameters(self) -> list[nn.Parameter]:
         """The parameters a forward runs, each once: the trunk's and the head's. A module attached beside
         them (a value head, say) is not run, and its parameters get no gradient from a loss on logprobs."""
-        modules = [self.core.model] if self.is_hf else [self.core.embed, self.core.layers, self.core.norm]
+        modules = [decoder_of(self.core)] if self.is_hf else [self.core.embed, self.core.layers, self.core.norm]
         unique = {id(p): p for m in modules + [self.head] for p in m.parameters()}
         return list(unique.values())
 
@@ -140,16 +149,10 @@ class ModelAdapter:
         return any(map(_compiled_whole_graph, self.core.modules()))
 
     @property
-    def sliding_window(self) -> int | None:
-        """The window of the model's sliding-window layers (None: every layer attends fully). The tree path
-        runs such a model only while every position is below it (``dta_ref.hf.check_in_window``)."""
-        return sliding_window_of(self.core.config) if self.is_hf else None
-
-    @property
     def num_logits(self) -> int | None:
         """How many logits the output head gives (its ``out_features``, through PEFT's wrapper), or None
         where it does not say."""
-        head = self.head
+        head = self.core.get_output_embeddings() if self.is_hf else self.head
         base = head.get_base_layer() if callable(getattr(head, "get_base_layer", None)) else head
         return getattr(base, "out_features", None)
 
@@ -160,7 +163,7 @@ class ModelAdapter:
     @property
     def layers(self) -> nn.ModuleList:
         """The decoder layers, in order."""
-        return self.core.layers if not self.is_hf else self.core.model.layers
+        return self.core.layers if not self.is_hf else layers_of(self.core)
 
     @property
     def checkpointed_layers(self) -> int:
@@ -169,7 +172,7 @@ class ModelAdapter:
         ``torch.utils.checkpoint`` by hand are not seen.)"""
         if not self.is_hf:
             return 0
-        base = self.core.model
+        base = decoder_of(self.core)
         if any(hasattr(layer, "gradient_checkpointing") for layer in self.layers):
             return sum(map(_checkpoints_itself, self.layers))
         # transformers before GradientCheckpointingLayer: one flag on the base model
@@ -210,16 +213,21 @@ class ModelAdapter:
                 False,
             )
         heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        if getattr(cfg, "qk_rope_head_dim", None) is not None:  # MLA: queries and keys of nope + rope dims
+            head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        attention = next((m for m in self.layers[0].modules() if hasattr(m, "q_proj") or hasattr(m, "qkv_proj")), None)
         return ModelShape(
             model_type=cfg.model_type,
             layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
             heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate=cfg.intermediate_size,
+            head_dim=head_dim,
+            intermediate=_mlp_width(cfg),
             bytes_per_element=self._element_size(),
-            qk_norm=cfg.model_type == "qwen3",
+            qk_norm=attention is not None and hasattr(attention, "q_norm"),
+            v_head_dim=getattr(cfg, "v_head_dim", None) or 0,
         )
 
     def _element_size(self) -> int:
@@ -228,8 +236,13 @@ class ModelAdapter:
     # ------------------------------------------------------------------- runs
 
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend, checkpoint_layers: bool = False
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend,
+        checkpoint_layers: bool = False,
+        output_router_logits: bool = False,
+    ):
         """Final normalised hidden states [B, T, hidden], every attention layer done by ``attend``.
 
         ``attend(layer_idx, q, k, v, scale)`` gets post-RoPE q [B, Hq, T, D] and
@@ -238,6 +251,8 @@ class ModelAdapter:
         calls it again: it must not depend on state that is gone by then.
         ``checkpoint_layers``: run every layer the model does not checkpoint
         itself under non-reentrant activation checkpointing, for this call only.
+        ``output_router_logits``: return ``(hidden, router_logits)``, a MoE
+        model's router logits per MoE layer (:meth:`router_aux_loss`).
         """
         # Never traced into a layer the user compiled: attend's state lives outside autograd (the chunked
         # engine's K/V stores, read and written by its backward), which a graph would freeze when traced.
@@ -247,8 +262,8 @@ class ModelAdapter:
         with eagerly, self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):
-                    return self.data_parallel(input_ids, position_ids, attend)
-            return self._trunk(input_ids, position_ids, attend)
+                    return self.data_parallel(input_ids, position_ids, attend, output_router_logits)
+            return self._trunk(input_ids, position_ids, attend, output_router_logits)
 
     @contextmanager
     def _checkpointing(self):
@@ -264,10 +279,19 @@ class ModelAdapter:
                     stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, forward)))
             yield
 
-    def _trunk(self, input_ids, position_ids, attend):
+    def _trunk(self, input_ids, position_ids, attend, output_router_logits=False):
         if self.is_hf:
-            return hf_hidden_states(self.core, input_ids, position_ids, attend)
+            return hf_hidden_states(self.core, input_ids, position_ids, attend, output_router_logits)
+        if output_router_logits:
+            raise TypeError("dta_ref.Decoder has no experts: it has no router logits")
         return self.core.hidden_states(input_ids, position_ids, attend)
+
+    def router_aux_loss(self, router_logits, weights: torch.Tensor) -> torch.Tensor:
+        """The model's own MoE load-balancing loss over packed tokens, token t counted ``weights[t]`` times
+        (``dta_ref.hf.router_aux_loss``)."""
+        if not self.is_hf:
+            raise TypeError("dta_ref.Decoder has no experts: it has no router auxiliary loss")
+        return router_aux_loss(self.core, router_logits, weights)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] of ordinary causal sequences, the model run as its user built it.
@@ -286,6 +310,34 @@ class ModelAdapter:
             )
 
 
+def _mlp_width(cfg) -> int:
+    """The MLP's intermediate width per token: a dense MLP's, or for a mixture of experts the routed
+    experts' (top-k of them) and the shared experts' together."""
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not top_k:
+        return cfg.intermediate_size
+    expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+    shared += (getattr(cfg, "n_shared_experts", None) or 0) * expert
+    return top_k * expert + shared
+
+
+class SoftcappedHead(nn.Module):
+    """An output head followed by a final logit softcap, ``cap * tanh(logits / cap)`` (Gemma 2), as the
+    causal LM's own forward applies it; ``weight`` is the head's, for memory estimates."""
+
+    def __init__(self, head: nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+
 def adapt(model) -> ModelAdapter:
     """The :class:`ModelAdapter` of ``model`` (an adapter is returned as it is)."""
     return model if isinstance(model, ModelAdapter) else ModelAdapter(model)
@@ -293,8 +345,8 @@ def adapt(model) -> ModelAdapter:
 
 def unsupported_model(model) -> TypeError:
     return TypeError(
-        f"unsupported model {type(model).__name__}: expected dta_ref.Decoder or a Hugging Face "
-        "LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (PEFT-, torch.compile- or DDP-wrapped too)"
+        f"unsupported model {type(model).__name__}: expected dta_ref.Decoder or a Hugging Face causal LM "
+        "(PEFT-, torch.compile- or DDP-wrapped too)"
     )
 
 

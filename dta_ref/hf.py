@@ -1,19 +1,23 @@
 """Running Hugging Face causal LMs with an attention function of our choosing.
 
-A Hugging Face attention layer looks its attention function up by the name in
-``config._attn_implementation`` at every call, and passes extra forward kwargs
-down to it. We wrap the function registered under the model's name (and
-register one for "eager") with a router: a call that carries our
-``dta_attend`` kwarg goes to ``dta_attend(layer_idx, q, k, v, scale)``, any
-other call to the original function, unchanged. The route thus travels with
-the call itself: when gradient checkpointing recomputes a layer's forward
-during backward, the recomputed call carries the same ``dta_attend`` and is
-routed the same way, whatever the config says by then.
+Every decoder in transformers 5 calls its layers' attention through the attention-function registry,
+looked up by the name in ``config._attn_implementation`` at every call, with ``(module, query, key,
+value, attention_mask, scaling=, dropout=, sliding_window=, s_aux=, softcap=, ...)``. We wrap the
+function registered under the model's name (and register one for "eager") with a router: a call that
+carries our ``dta_attend`` kwarg goes to ``dta_attend(layer_idx, q, k, v, scale, window=, sinks=,
+softcap=)``, any other call to the original function, unchanged. The route thus travels with the call
+itself: when gradient checkpointing recomputes a layer's forward during backward, the recomputed call
+carries the same ``dta_attend`` and is routed the same way, whatever the config says by then.
 
-The trunk is given a ready-made empty 4-D attention mask, which transformers
-passes through as it is, so no T x T mask is ever built: the same route serves
-the explicit-mask reference and the mask-free Triton kernel, whatever
-``attn_implementation`` the user built the model with.
+Whatever the family, the model's own modules compute everything else (embedding scaling, rotary
+variants, QK norms, MoE routing), and the tree computes the attention variants the call names: a
+sliding window, attention sinks, logit softcapping, a value head dim of its own. A layer that does not
+come through the registry, a layer type other than softmax attention, or a keyword the tree does not
+compute is refused by name, never approximated.
+
+The trunk is given a ready-made empty 4-D attention mask, which transformers passes through as it is,
+so no T x T mask is ever built: the same route serves the explicit-mask reference and the mask-free
+Triton kernel, whatever ``attn_implementation`` the user built the model with.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import sys
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# the layer types of ``config.layer_types`` that are softmax attention, which the tree computes
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# keywords a layer's attention call may carry that leave its result as the tree computes it
+NEUTRAL_KWARGS = ("position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position")
 
 
 def is_hf_model(model) -> bool:
@@ -34,18 +41,22 @@ def is_hf_model(model) -> bool:
 
 
 def check_hf_model(model) -> None:
-    """A causal LM of a supported family with an LM head, or a clear error."""
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type '{cfg.model_type}' is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    """A causal LM with an LM head whose layers the tree computes exactly, or a clear error."""
+    name = type(model).__name__
     head = model.get_output_embeddings()
-    if head is None or not hasattr(model, "model"):
+    if head is None or decoder_of(model) is None:
         raise TypeError(
-            f"{type(model).__name__} has no language-model head: pass the causal LM "
-            "(e.g. Qwen2ForCausalLM), not a base model or a classification model"
+            f"{name} has no language-model head: pass the causal LM (e.g. Qwen2ForCausalLM), not a base model or "
+            "a classification model"
         )
+    layers_of(model)
+    cfg = model.config
+    for i, layer_type in enumerate(getattr(cfg, "layer_types", None) or ()):
+        if layer_type not in ATTENTION_LAYER_TYPES:
+            raise ValueError(
+                f"layer {i} of {name} is a '{layer_type}' layer: the tree computes softmax attention layers "
+                f"({', '.join(ATTENTION_LAYER_TYPES)})"
+            )
     for rope_type in _rope_types(cfg):
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(
@@ -55,26 +66,27 @@ def check_hf_model(model) -> None:
             )
 
 
-def sliding_window_of(cfg) -> int | None:
-    """The window of the model's sliding-window layers; None where every layer attends fully."""
-    layer_types = getattr(cfg, "layer_types", None)
-    window = getattr(cfg, "sliding_window", None)
-    sliding = (
-        "sliding_attention" in layer_types if layer_types is not None else getattr(cfg, "use_sliding_window", False)
-    )
-    return int(window) if sliding and window is not None else None
+def decoder_of(model):
+    """The trunk of a causal LM (embedding, layers, final norm): ``model.model`` in transformers."""
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    return decoder if decoder is not None else getattr(model, "model", None)
 
 
-def check_in_window(window: int | None, last_position: int) -> None:
-    """A sliding-window layer attends to all of a query's ancestors while its position is below the window
-    (the keys it drops are further back than the root): there it is ordinary causal attention, which is
-    what the tree path computes. Past it the tree path would attend to keys the model drops: refused."""
-    if window is not None and last_position >= window:
-        raise ValueError(
-            f"this model's sliding-window layers attend to the last {window} positions; the tree path runs them "
-            f"only while every position is below {window}, where they attend to every earlier token, and this "
-            f"call reaches position {last_position}"
-        )
+def layers_of(model):
+    """The decoder layers of a causal LM, in order: the trunk's list of ``num_hidden_layers`` modules
+    (``layers`` in most families, ``h`` in GPT-2's)."""
+    decoder = decoder_of(model)
+    count = model.config.num_hidden_layers
+    lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if len(lists) != 1:
+        raise TypeError(f"{type(model).__name__}'s trunk has no single list of its {count} decoder layers")
+    return lists[0]
+
+
+def logit_softcap_of(model) -> float | None:
+    """The final logit softcap the causal LM applies after its head (Gemma 2), or None."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def _rope_types(cfg) -> set[str]:
@@ -103,14 +115,21 @@ def attention_dropout_in(model) -> float:
     return max((r for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool)), default=0.0)
 
 
-def _tree_attention(module, query, key, value, dta_attend, dropout=0.0, scaling=None, **kwargs):
+def _tree_attention(
+    module, query, key, value, dta_attend, dropout=0.0, scaling=None, sliding_window=None, s_aux=None, softcap=None,
+    is_causal=None, **kwargs,
+):  # fmt: skip
     if dropout:
         raise ValueError(ATTENTION_DROPOUT_REFUSED)
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attention logit softcapping is not supported on the tree path")
-    # a sliding window passed here covers every position of the call: hf_hidden_states checked it
-    out = dta_attend(module.layer_idx, query, key, value, scaling)  # [B, Hq, T, D]
-    return out.transpose(1, 2).contiguous(), None
+    other = sorted(name for name, value in kwargs.items() if value is not None and name not in NEUTRAL_KWARGS)
+    if other or is_causal is False:
+        what = ", ".join(other + (["is_causal=False"] if is_causal is False else []))
+        raise TypeError(
+            f"{type(module).__name__} passes {what} to its attention function, which the tree path does not "
+            "compute: refused rather than ignored"
+        )
+    out = dta_attend(module.layer_idx, query, key, value, scaling, window=sliding_window, sinks=s_aux, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None  # [B, T, Hq, Dv]
 
 
 def _eager_of(module):
@@ -145,14 +164,42 @@ def route_attention(implementation: str) -> None:
     AttentionInterface.register(implementation, _router(current))
 
 
-def hf_hidden_states(model, input_ids, position_ids, attend) -> torch.Tensor:
-    """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend``."""
+def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logits: bool = False):
+    """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend``; every decoder layer
+    must route its attention through it. With ``output_router_logits``, also a MoE model's router logits
+    (one [B * T, experts] tensor per MoE layer)."""
     route_attention(model.config._attn_implementation)
-    window = sliding_window_of(model.config)
-    if window is not None:  # a host sync, for these models only
-        check_in_window(window, int(position_ids.max()) if position_ids.numel() else -1)
+    routed = set()
+
+    def counted(layer, *args, **kwargs):
+        routed.add(layer)
+        return attend(layer, *args, **kwargs)
+
+    decoder = decoder_of(model)
     no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
-    out = model.model(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, dta_attend=attend, use_cache=False
-    )
-    return out.last_hidden_state
+    extra = dict(output_router_logits=True) if output_router_logits else {}
+    out = decoder(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, dta_attend=counted, use_cache=False,
+        **extra,
+    )  # fmt: skip
+    missing = sorted(set(range(len(layers_of(model)))) - routed)
+    if missing:
+        raise TypeError(
+            f"layers {missing} of {type(model).__name__} did not call their attention through transformers' "
+            "attention interface, so the tree cannot compute them"
+        )
+    if not output_router_logits:
+        return out.last_hidden_state
+    return out.last_hidden_state, out.get("router_logits")  # a key of the output, not always a field
+
+
+def router_aux_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:
+    """A MoE causal LM's own load-balancing loss over packed tokens, token t counted ``weights[t]`` times:
+    with each token's multiplicity, exactly the loss of the padded batch of its rollouts (the loss is a
+    product of token-weighted means over experts)."""
+    if not hasattr(model, "num_experts_per_tok") or not router_logits:
+        raise TypeError(f"{type(model).__name__} returns no router logits: it has no MoE auxiliary loss")
+    loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    if loss_fn is None:
+        raise TypeError(f"{type(model).__name__}'s modeling file has no load_balancing_loss_func")
+    return loss_fn(tuple(router_logits), model.num_experts, model.num_experts_per_tok, weights[None])

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .adapter import adapt
-from .attention import masked_attend, tree_attention_mask
-from .checks import check_temperature
+from .attention import masked_attend
+from .checks import check_flag, check_temperature
 from .tree import PrefixTree, _as_token_list
 
 
@@ -46,10 +46,12 @@ def next_token_targets(tree: PrefixTree):
 
 @dataclass
 class LogprobsAndEntropy:
-    """Per-sequence next-token logprobs and the entropy of each next-token distribution, both [N, Lmax-1]."""
+    """Per-sequence next-token logprobs and the entropy of each next-token distribution, both [N, Lmax-1];
+    and a MoE model's router auxiliary loss where it was asked for."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+    aux_loss: torch.Tensor | None = None
 
 
 def check_logprob_mask(mask, tree: PrefixTree):
@@ -105,15 +107,23 @@ def gather_tree_logprobs(
     return LogprobsAndEntropy(out, entropy_of(logp)[rows].masked_fill(~valid, 0.0))
 
 
-def _packed_hidden(model, tree: PrefixTree):
+def _packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False):
+    """The packed forest's final hidden states [T, hidden], the head, the tree on the model's device, and
+    the router auxiliary loss over the rollouts (each packed token weighted by its multiplicity) or None."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
     adapter = adapt(model)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
-    attend = masked_attend(tree_attention_mask(tree))
-    return adapter.hidden_states(tree.tokens[None], tree.position_ids[None], attend)[0], adapter.head, tree
+    index = torch.arange(tree.num_tokens, device=tree.tokens.device)
+    attend = masked_attend(tree.subtree_end, index, tree.position_ids)
+    out = adapter.hidden_states(
+        tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss
+    )
+    if not router_aux_loss:
+        return out[0], adapter.head, tree, None
+    return out[0][0], adapter.head, tree, adapter.router_aux_loss(out[1], tree.multiplicity)
 
 
 def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> torch.Tensor:
@@ -125,15 +135,21 @@ def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=Non
     scores responses only never projects its prompt rows.
     """
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree = _packed_hidden(model, tree)
+    hidden, head, tree, _ = _packed_hidden(model, tree)
     return gather_tree_logprobs(hidden, head, tree, temperature, mask=mask)
 
 
-def tree_logprobs_and_entropy(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> LogprobsAndEntropy:
-    """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward."""
+def tree_logprobs_and_entropy(
+    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, router_aux_loss: bool = False
+) -> LogprobsAndEntropy:
+    """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward.
+    ``router_aux_loss``: also a MoE model's load-balancing loss, equal to that of the padded batch of the
+    tree's rollouts (each packed token counted once per rollout that holds it)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree = _packed_hidden(model, tree)
-    return gather_tree_logprobs(hidden, head, tree, temperature, entropy=True, mask=mask)
+    hidden, head, tree, aux = _packed_hidden(model, tree, check_flag("router_aux_loss", router_aux_loss))
+    out = gather_tree_logprobs(hidden, head, tree, temperature, entropy=True, mask=mask)
+    out.aux_loss = aux
+    return out
 
 
 def flat_logprobs(model, sequences, *, temperature: float = 1.0) -> torch.Tensor:

@@ -216,6 +216,12 @@ class PrefixTree:
         return self.flat_tokens / self.num_tokens
 
     @property
+    def multiplicity(self) -> torch.Tensor:
+        """long [T]: how many rollouts hold each packed token (a padded batch counts it that many times)."""
+        index = self.seq_index[self.seq_index >= 0]
+        return torch.bincount(index, minlength=self.num_tokens)
+
+    @property
     def max_length(self) -> int:
         return self.seq_index.shape[1]
 

@@ -67,6 +67,35 @@ def test_tree_attention_matches_reference(depths, heads, head_dim, prefix_fracti
 
 
 @few
+@given(
+    depths=preorder_depths(),
+    heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
+    dims=st.sampled_from([(16, 16), (32, 16), (16, 32), (48, 24)]),  # (q/k, v) head dims: MLA's differ
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    sinks=st.booleans(),
+    softcap=st.one_of(st.none(), st.sampled_from([1.0, 5.0])),
+    prefix_fraction=st.sampled_from([0.0, 0.5]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=seeds(),
+)
+def test_tree_attention_variants_match_reference(depths, heads, dims, window, sinks, softcap, prefix_fraction, dtype,
+                                                 seed):  # fmt: skip
+    """Sliding windows over the depths, attention sinks, logit softcaps and a value head dim of its own, in any
+    combination: output, LSE and every gradient (the sinks' included) as the reference's."""
+    end = subtree_end_from_depths(depths).to(DEVICE)
+    Tk = len(depths)
+    Tq = max(1, Tk - int(prefix_fraction * Tk))
+    (Hq, Hkv), (D, Dv) = heads, dims
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(1, Hq, Tq, D, generator=g, device=DEVICE, dtype=dtype)
+    k = torch.randn(1, Hkv, Tk, D, generator=g, device=DEVICE, dtype=dtype)
+    v = torch.randn(1, Hkv, Tk, Dv, generator=g, device=DEVICE, dtype=dtype)
+    s = torch.randn(Hq, generator=g, device=DEVICE) if sinks else None
+    pos = torch.tensor(depths, device=DEVICE) if window else None
+    check_tree_attention(q, k, v, end, seed=seed, position_ids=pos, window=window, sinks=s, softcap=softcap)
+
+
+@few
 @given(depths=preorder_depths(max_tokens=200))
 def test_validation_accepts_every_preorder_forest(depths):
     dta_fast.validate_subtree_end(subtree_end_from_depths(depths)[None])

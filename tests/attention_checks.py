@@ -40,14 +40,21 @@ def random_depths(T: int, rng: np.random.Generator, p_up: float = 0.3) -> list[i
     return depths
 
 
-def attention_in_dtype(q, k, v, mask, scale):
-    """Plain torch attention in the inputs' own precision (softmax in float32)."""
+def attention_in_dtype(q, k, v, mask, scale, sinks=None, softcap=None):
+    """Plain torch attention in the inputs' own precision (softmax in float32, its probabilities rounded
+    to the inputs' dtype before they meet V, as a fused kernel's are)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = s.float().masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(q.dtype)
+    s = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        p = torch.softmax(s, dim=-1).to(q.dtype)
     return torch.matmul(p, v)
 
 
@@ -67,35 +74,45 @@ def report(name, actual, expected) -> str:
     )
 
 
-def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0):
-    """Compare output, dq, dk, dv and the LSE of dta_fast.tree_attention with its twin dta_ref.tree_attention
-    (one shared upstream grad)."""
+def check_tree_attention(q, k, v, subtree_end, *, scale=None, seed=0, position_ids=None, window=None, sinks=None,
+                         softcap=None):  # fmt: skip
+    """Compare output, dq, dk, dv (and dsinks), and the LSE of dta_fast.tree_attention with its twin
+    dta_ref.tree_attention (one shared upstream grad), for any variant: a sliding window over
+    ``position_ids``, ``sinks``, a ``softcap``, a value head dim of its own."""
     from dta_fast import tree_attention
 
     Tq, Tk, D = q.shape[2], k.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     end = subtree_end.to(q.device)
-    mask = mask_from_subtree_end(end, torch.arange(Tk - Tq, Tk, device=q.device))
+    pos = None if position_ids is None else position_ids.to(q.device)
+    mask = mask_from_subtree_end(end, torch.arange(Tk - Tq, Tk, device=q.device), pos, window)
     if mask.dim() == 3:  # one tree per batch row: [B, 1, Tq, Tk]
         mask = mask[:, None]
     g = torch.Generator(device=q.device).manual_seed(seed)
-    do = torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype)
+    do = torch.randn(*q.shape[:3], v.shape[3], generator=g, device=q.device, dtype=q.dtype)
+    variant = dict(position_ids=pos, window=window, softcap=softcap)
 
-    def twin(attend):
-        return lambda a, b, c: attend(a, b, c, end, scale)
+    def twin(attend, dtype=None):
+        def run(a, b, c, *s):
+            return attend(a, b, c, end, scale, sinks=s[0] if s else None, **variant)
 
-    fast = _grads(twin(tree_attention), (q, k, v), do)
-    exact = _grads(twin(dta_ref.tree_attention), (q.double(), k.double(), v.double()), do.double())
-    lse_fast = tree_attention(q, k, v, end, scale, return_lse=True)[1]
-    lse_exact = dta_ref.tree_attention(q.double(), k.double(), v.double(), end, scale, return_lse=True)[1]
+        return run
+
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    fast = _grads(twin(tree_attention), inputs, do)
+    exact = _grads(twin(dta_ref.tree_attention), [x.double() for x in inputs], do.double())
+    lse_fast = tree_attention(q, k, v, end, scale, sinks=sinks, return_lse=True, **variant)[1]
+    lse_exact = dta_ref.tree_attention(*[x.double() for x in (q, k, v)], end, scale, return_lse=True,
+                                       sinks=None if sinks is None else sinks.double(), **variant)[1]  # fmt: skip
     assert lse_fast.dtype == lse_exact.dtype == torch.float32
     torch.testing.assert_close(lse_fast, lse_exact, rtol=1e-5, atol=FLOOR[q.dtype], msg=lambda m: "LSE: " + m)
     if q.dtype == torch.float32:
-        same = _grads(twin(dta_ref.tree_attention), (q, k, v), do)
+        same = _grads(twin(dta_ref.tree_attention), inputs, do)
     else:
-        same = _grads(lambda a, b, c: attention_in_dtype(a, b, c, mask, scale), (q, k, v), do)
+        in_dtype = lambda a, b, c, *s: attention_in_dtype(a, b, c, mask, scale, *s, softcap=softcap)  # noqa: E731
+        same = _grads(in_dtype, inputs, do)
     failures = []
-    for name, f, e, s in zip(("out", "dq", "dk", "dv"), fast, exact, same):
+    for name, f, e, s in zip(("out", "dq", "dk", "dv", "dsinks"), fast, exact, same):
         assert f.shape == e.shape, f"{name}: shape {tuple(f.shape)} != {tuple(e.shape)}"
         assert torch.isfinite(f).all(), f"{name} has non-finite values: {report(name, f, e)}"
         err_fast = (f.double() - e).abs().max().item()

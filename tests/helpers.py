@@ -94,6 +94,64 @@ def tiny_hf_model(family: str, dtype: torch.dtype = torch.float64, attn_implemen
     return model.eval()
 
 
+# Every text family the tree runs, tiny, with what each needs from it (docs: README's family table).
+# Windows of 5 positions: the test rollouts are longer. Model types as transformers names them.
+WINDOW = 5
+TEXT_FAMILIES = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),  # a window on every layer
+    "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "gemma2": (
+        "gemma2",
+        dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16),
+    ),  # fmt: skip
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, query_pre_attn_scalar=16, sliding_window_pattern=2)),
+    "gpt-oss": ("gpt_oss", dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),  # sinks, MoE
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "phi3": ("phi3", dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),  # QK-norm over all heads
+    "deepseek-v3": (
+        "deepseek_v3",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),  # MLA: q/k head dim 16, v 12  # fmt: skip
+}
+
+
+MOE_FAMILIES = ("gpt-oss", "qwen3-moe", "mixtral", "deepseek-v3")
+
+
+def tiny_family_model(family: str, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager", seed=0):
+    """A seeded tiny causal LM of one of ``TEXT_FAMILIES`` (2 layers, hidden 32, 4/2 heads of 8, vocab 64),
+    in eval mode. MoE experts run eagerly, which any dtype can."""
+    import transformers
+
+    model_type, extra = TEXT_FAMILIES[family]
+    base = dict(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
+        tie_word_embeddings=False, attention_dropout=0.0,
+    )  # fmt: skip
+    config = transformers.AutoConfig.for_model(model_type, **{**base, **extra})
+    torch.manual_seed(seed)
+    kwargs = dict(experts_implementation="eager") if family in MOE_FAMILIES else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, **kwargs)
+    return model.to(dtype).eval()
+
+
 def _float64_rms_norm(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 

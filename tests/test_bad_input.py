@@ -150,7 +150,7 @@ ATTENTION_CASES = [
         "k-v-shape",
         lambda: dta_ref.attention(Q, K, V[:, :, :4], CAUSAL),
         ValueError,
-        "k and v must have the same shape",
+        "k and v must agree in batch, heads and tokens",
     ),
     case(
         "head-dim-mismatch",
@@ -334,11 +334,17 @@ def unsupported_model():
     return torch.nn.Sequential(torch.nn.Embedding(TINY_VOCAB, 8), torch.nn.Linear(8, TINY_VOCAB))
 
 
-def tiny_gpt2():
+def linear_attention_model():
+    """A tiny Qwen3-Next: Gated DeltaNet layers beside attention layers."""
     import transformers
 
-    cfg = transformers.GPT2Config(vocab_size=TINY_VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    return transformers.Qwen3NextForCausalLM(cfg).eval()
 
 
 def rope_llama(rope):
@@ -357,23 +363,6 @@ def rope_llama(rope):
     cfg.rope_parameters = dict(rope, rope_theta=10000.0)
     cfg.rope_scaling = cfg.rope_parameters
     return transformers.LlamaForCausalLM(cfg)
-
-
-def sliding_window_qwen2():
-    import transformers
-
-    cfg = transformers.Qwen2Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=2,  # TREE's last tokens are at position 2
-        max_window_layers=0,
-    )
-    return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
 def train_mode_with_dropout():
@@ -404,16 +393,10 @@ LOGPROB_CASES = [
         "unsupported model Sequential",
     ),
     case(
-        "unsupported-hf-model-type",
-        lambda: dta_ref.tree_logprobs(tiny_gpt2(), TREE),
+        "hf-linear-attention-layers",
+        lambda: dta_ref.tree_logprobs(linear_attention_model(), TREE),
         ValueError,
-        "model type 'gpt2' is not supported",
-    ),
-    case(
-        "hf-sliding-window",
-        lambda: dta_ref.tree_logprobs(sliding_window_qwen2(), TREE),
-        ValueError,
-        "sliding-window layers attend to the last 2 positions",
+        "layer 0 of Qwen3NextForCausalLM is a 'linear_attention' layer",
     ),
     case(
         "hf-dynamic-rope",

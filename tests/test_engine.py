@@ -439,13 +439,12 @@ def test_bad_input():
         dta_fast.tree_backward(model, tree, sft, attention_impl="flash")
 
 
-def test_unsupported_hf_family():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16)
-    model = transformers.GPT2LMHeadModel(cfg)
+def test_a_layer_the_tree_does_not_compute_is_refused_by_name():
+    from tests.test_bad_input import linear_attention_model
+
     tree = PrefixTree.from_sequences([[1, 2, 3]])
-    with pytest.raises(ValueError, match="not supported"):
-        dta_fast.tree_backward(model, tree, SFTLoss(tree.logprob_mask))
+    with pytest.raises(ValueError, match="layer 0 of Qwen3NextForCausalLM is a 'linear_attention' layer"):
+        dta_fast.tree_backward(linear_attention_model(), tree, SFTLoss(tree.logprob_mask))
 
 
 def _chunks(tree, size, recompute=False):

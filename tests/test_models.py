@@ -153,30 +153,25 @@ def sliding_qwen2(window: int):
     return transformers.Qwen2ForCausalLM(cfg).to(DEVICE).eval()
 
 
-def test_sliding_window_that_covers_every_rollout():
-    """Sliding layers whose window no rollout outgrows attend to every earlier token: the tree path runs
-    them and gives each rollout alone's numbers. One position short, the last token's query drops the
-    first key in Hugging Face's own forward, and the tree path refuses by name: scoring, chunked training
-    and sampling, the sampler before any work."""
-    longest = max(map(len, SEQUENCES))  # positions 0 .. longest - 1
-    covered, short = sliding_qwen2(longest), sliding_qwen2(longest - 1)
-    assert_matches_each_rollout_alone(covered)
+def test_sliding_windows_shorter_than_the_rollouts():
+    """Sliding layers whose window every rollout outgrows: the tree computes each rollout's own window
+    (positions are depths), scoring and chunked training give each rollout alone's numbers, and the
+    window matters (a wider one gives other logits)."""
+    longest = max(map(len, SEQUENCES))
+    narrow, wide = sliding_qwen2(3), sliding_qwen2(longest)
+    assert_matches_each_rollout_alone(narrow)
     ids = torch.tensor([max(SEQUENCES, key=len)], device=DEVICE)
     with torch.no_grad():
-        a, b = covered(ids).logits[0], short(ids).logits[0]
-    torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=0)
-    assert not torch.allclose(a[-1], b[-1])
-    message = f"attend to the last {longest - 1} positions.*reaches position {longest - 1}"
-    for score in TWINS.values():
-        with pytest.raises(ValueError, match=message):
-            score(short, TREE)
-    with pytest.raises(ValueError, match=message):
-        dta_fast.tree_backward(short, TREE, dta_ref.SFTLoss(TREE.logprob_mask), max_chunk_tokens=4)
-    prompt = SEQUENCES[0][:3]
-    for sample in (dta_ref.sample, dta_fast.sample):
-        with pytest.raises(ValueError, match="reaches position"):
-            sample(short, [prompt], longest - 3)  # the last token at position longest - 1
-        assert len(sample(short, [prompt], longest - 4).completions[0]) == longest - 4
+        assert not torch.allclose(narrow(ids).logits[0, -1], wide(ids).logits[0, -1])
+    want_lp, want = grads_by_backward(narrow, lambda: dta_ref.flat_logprobs(narrow, SEQUENCES))
+    narrow.zero_grad(set_to_none=True)
+    weights = torch.randn(TREE.logprob_mask.shape, generator=torch.Generator().manual_seed(0)) * TREE.logprob_mask
+    from dta_fast.trainer_common import LinearizedLoss
+
+    lp, _ = dta_fast.tree_backward(narrow, TREE, LinearizedLoss(weights.double()), max_chunk_tokens=4)
+    got = torch.cat([p.grad.reshape(-1) for p in narrow.parameters()])
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+    assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 def test_peft_trainable_tokens():

@@ -351,8 +351,18 @@ def test_bad_inputs():
         tree_attention(q[0], k, v, end)
     with pytest.raises(ValueError, match="more queries"):
         tree_attention(torch.cat([q, q], 2), k, v, end)
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match="k and v must agree in batch, heads and tokens"):
         tree_attention(q, k, v[:, :1], end)
+    with pytest.raises(ValueError, match="sliding window needs position_ids"):
+        tree_attention(q, k, v, end, window=2)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        tree_attention(q, k, v, end, window=0, position_ids=torch.arange(5, device=DEVICE))
+    with pytest.raises(ValueError, match="one logit per query head"):
+        tree_attention(q, k, v, end, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        tree_attention(q, k, v, end, softcap=-1.0)
+    with pytest.raises(ValueError, match="pass position_ids to build_schedule"):
+        tree_attention(q, k, v, schedule=build_schedule(end), window=2, position_ids=torch.arange(5, device=DEVICE))
     with pytest.raises(TypeError, match="integer tensor"):
         tree_attention(q, k, v, end.float())
     with pytest.raises(ValueError, match="subtree_end must be"):
@@ -537,6 +547,32 @@ def test_gpu_real_sizes(shape, dtype):
     T = end.shape[0]
     q, k, v = make_qkv(1, 2, 1, T, T, 128, dtype)
     check_tree_attention(q, k, v, end.cuda())
+
+
+VARIANTS = {
+    "gemma3-window1024": dict(window=1024),
+    "gpt-oss-sinks-window128": dict(window=128, sinks=True),
+    "gemma2-softcap": dict(softcap=50.0, window=4096),
+    "mla-192-128": dict(dims=(192, 128)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_variants_real_sizes(variant, dtype):
+    """The variants compiled, on a GRPO tree whose rollouts outgrow the windows, GQA, a cached prefix."""
+    options = dict(VARIANTS[variant])
+    tree = PrefixTree.from_sequences(grpo_batch(1, 2048, 4, 1024))
+    T = tree.num_tokens
+    D, Dv = options.pop("dims", (128, 128))
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, 4, T - 1000, D, generator=g, device="cuda", dtype=dtype)
+    k = torch.randn(1, 2, T, D, generator=g, device="cuda", dtype=dtype)
+    v = torch.randn(1, 2, T, Dv, generator=g, device="cuda", dtype=dtype)
+    sinks = torch.randn(4, generator=g, device="cuda") if options.pop("sinks", False) else None
+    pos = tree.position_ids.cuda() if "window" in options else None
+    check_tree_attention(q, k, v, tree.subtree_end.cuda(), position_ids=pos, sinks=sinks, **options)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,13 @@
 """``tree_attention``: the autograd Function over the kernels, their launchers and the block shapes.
 
-Limits: head dims up to 256 (64, 80, 96, 128, 256 tested); float16, bfloat16, float32 (dot products in
-ieee float32); no dropout, no softcap, no sliding window. Building a schedule needs no host sync;
-checking a ``subtree_end`` (what ``tree_attention`` does when given one) syncs once per tensor: build
-the schedule once with ``build_schedule`` and pass it to every layer. A query that sees a non-finite
-value row gets NaN where plain attention might give inf. A row's running maximum starts at -1e30, not
--inf (a row may see no key of a block): a query whose every scaled score (scale * q.k, in float32) is
-below about -1e29 gets 0 and a wrong LSE.
+Variants: a sliding window over the keys' depths, logit softcapping, attention sinks, a value head dim
+of its own (MLA); the Hopper twins run plain calls only. Limits: head dims up to 256 (64, 80, 96, 128,
+192, 256 tested); float16, bfloat16, float32 (dot products in ieee float32); no dropout. Building a
+schedule needs no host sync; checking a ``subtree_end`` (what ``tree_attention`` does when given one)
+syncs once per tensor: build the schedule once with ``build_schedule`` and pass it to every layer. A
+query that sees a non-finite value row gets NaN where plain attention might give inf. A row's running
+maximum starts at -1e30, not -inf (a row may see no key of a block): a query whose every scaled score
+(scale * q.k, in float32) is below about -1e29 gets 0 and a wrong LSE.
 
 Isolation (docs/prefix_tree.md): the forward runs on V with its non-finite rows zeroed and sets the
 output of the queries that see such a row to NaN; the backward passes Q, K and dO with their non-finite
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dta_ref.attention import autocast_inputs, refuse_create_graph
-from dta_ref.checks import check_scale
+from dta_ref.attention import autocast_inputs, check_sinks, check_softcap, refuse_create_graph
+from dta_ref.checks import check_int, check_scale
 
 from . import hopper
 from .interpreter import INTERPRET
@@ -97,34 +99,67 @@ def _strides(x):
     return x.stride()[:3]
 
 
-def _forward(q, k, v, schedule, sm_scale):
+@dataclass(frozen=True)
+class Variant:
+    """What a call computes beyond plain tree attention, as the kernels take it: a sliding ``window`` over
+    the schedule's depths, a ``softcap`` on the scores, per-head ``sinks`` in every softmax denominator."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [Hq] float32
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None and self.sinks is None
+
+    def args(self, sm_scale: float, end: torch.Tensor, schedule: TreeSchedule):
+        """The kernels' variant arguments: the depths (or a stand-in), the softcap's scales, the window;
+        and their constexpr flags."""
+        cap = self.softcap
+        pos = schedule.position_ids if self.window is not None else end
+        values = (pos, sm_scale / cap if cap else 0.0, cap * LOG2E.value if cap else 0.0, self.window or 0)
+        return values, dict(SOFTCAP=cap is not None, WINDOW=self.window is not None)
+
+
+PLAIN = Variant()
+
+
+def _hopper_applies(variant: Variant, q, k, v, *others) -> bool:
+    """The Gluon twins run plain calls whose values have the queries' head dim."""
+    return variant.plain and v.shape[-1] == q.shape[-1] and hopper.applies(q, k, v, *others)
+
+
+def _forward(q, k, v, schedule, sm_scale, variant=PLAIN):
     B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     BM, BN = _blocks("fwd", q)
-    lists = schedule.block_lists(BM, BN)
+    lists = schedule.block_lists(BM, BN, variant.window)
     end = schedule.subtree_end
-    o = torch.empty_like(q)
+    o = q.new_empty(B, Hq, Tq, Dv)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     num_m_blocks = cdiv(Tq, BM)
     # p = 0 times a non-finite value row is NaN: the kernel sees such rows zeroed, and the queries that
     # see them get their NaN in its epilogue (the loop itself stays as fast as without isolation)
     v_finite, v_bad = _finite_rows(v)
     sees_bad = queries_seeing(v_bad, end, Tq)  # [B, Hkv, Tq]
-    if (BM, BN) == (hopper.BLOCK_M, hopper.BLOCK_N) and hopper.applies(q, k, v_finite):
+    if (BM, BN) == (hopper.BLOCK_M, hopper.BLOCK_N) and _hopper_applies(variant, q, k, v_finite):
         hopper.forward(q, k, v_finite, o, lse, end, lists, sees_bad, sm_scale * LOG2E.value,
-                                 _batch_strides(end, num_m_blocks))  # fmt: skip
+                       _batch_strides(end, num_m_blocks))  # fmt: skip
         return o, lse, v_finite
     k_desc, v_desc = _tma_descriptors(k, v_finite, BN, Tq)
+    values, flags = variant.args(sm_scale, end, schedule)
+    sinks = variant.sinks if variant.sinks is not None else lse
     args = (
-        q, k, v_finite, o, lse, end, lists.count, lists.full, lists.idx, lists.run, sees_bad,
+        q, k, v_finite, o, lse, end, values[0], sinks, lists.count, lists.full, lists.idx, lists.run, sees_bad,
         k if k_desc is None else k_desc, v_finite if v_desc is None else v_desc,
-        sm_scale * LOG2E.value,
+        sm_scale * LOG2E.value, *values[1:],
         *_strides(q), *_strides(k), *_strides(v_finite), *_strides(o),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks,
         Hq, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
     _launch_tuned(tree_attention_fwd_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, size_class(Tq), q.dtype,
-                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=k_desc is not None)  # fmt: skip
+                  HEAD_DIM_V=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), DOT_PRECISION=_dot_precision(q.dtype),
+                  USE_TMA=k_desc is not None, HAS_SINKS=variant.sinks is not None, **flags)  # fmt: skip
     return o, lse, v_finite
 
 
@@ -133,13 +168,13 @@ def _tma_descriptors(k, v, BLOCK_N, Tq):
     they do not apply: before Hopper, under the interpreter, a head dim that is not its own tile, rows or
     strides not 16-byte aligned, or a call of under 64 queries (a decode step, whose cost is its host
     time, to which each descriptor adds about 3 us of Python)."""
-    D = k.shape[-1]
-    if INTERPRET or Tq < 64 or D != _block_d(D) or not _has_tma(k.device):
+    D, Dv = k.shape[-1], v.shape[-1]
+    if INTERPRET or Tq < 64 or D != _block_d(D) or Dv != _block_d(Dv) or not _has_tma(k.device):
         return None, None
     for x in (k, v):
         if x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:3]):
             return None, None
-    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK_N, D]) for x in (k, v))
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, BLOCK_N, x.shape[-1]]) for x in (k, v))
 
 
 @functools.cache
@@ -169,23 +204,29 @@ def queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> to
     return sees
 
 
-def _backward(do, q, k, v, o, lse, schedule, sm_scale):
-    """v is the forward's V with its non-finite rows zeroed.
+def _backward(do, q, k, v, o, lse, schedule, sm_scale, variant=PLAIN):
+    """v is the forward's V with its non-finite rows zeroed. Returns dq, dk, dv and the sinks' gradient.
 
     Isolation without touching the kernels' loops: every operand row that a tile product multiplies
     by a masked (zero) probability is finite, zeroed first where it was not, and the rows it belongs
     to carry their NaN through the LSE instead (the forward's for Q and K, the preprocess's for dO).
+    The LSE holds the sinks, so dS = P (dP - delta) as without them; a sink's own gradient is
+    -sum(P_sink delta) over its head's rows, P_sink = exp(sink - LSE).
     """
     delta, lse_bwd, do_finite, q_finite = _backward_preprocess(o, do, q, lse)
-    dk, dv = _backward_dkdv(do_finite, q_finite, k, v, lse_bwd, delta, schedule, sm_scale)
+    dk, dv = _backward_dkdv(do_finite, q_finite, k, v, lse_bwd, delta, schedule, sm_scale, variant)
     del q_finite, do_finite
     k_finite = _finite_rows(k)[0]
-    dq = _backward_dq(do, q, k_finite, v, lse_bwd, delta, schedule, sm_scale)
-    return dq, dk, dv
+    dq = _backward_dq(do, q, k_finite, v, lse_bwd, delta, schedule, sm_scale, variant)
+    dsinks = None
+    if variant.sinks is not None:
+        dsinks = -((variant.sinks[None, :, None] - lse_bwd).exp() * delta).sum((0, 2))
+    return dq, dk, dv, dsinks
 
 
 def _backward_preprocess(o, do, q, lse):
-    B, Hq, Tq, D = o.shape
+    B, Hq, Tq, D = q.shape
+    Dv = o.shape[-1]
     # delta and the LSE in rows of a multiple of 4 floats, 16 bytes, so TMA can read them (Hopper dK/dV)
     delta, lse_bwd = torch.empty(2, B, Hq, -(-Tq // 4) * 4, device=o.device, dtype=torch.float32)[..., :Tq]
     do_finite = torch.empty_like(do)
@@ -194,7 +235,7 @@ def _backward_preprocess(o, do, q, lse):
     tree_attention_bwd_preprocess_kernel[(cdiv(Tq, BLOCK_T), B * Hq)](
         o, do, q, lse, delta, lse_bwd, do_finite, q_finite,
         *_strides(o), *_strides(do), *_strides(q), *_strides(do_finite), Hq, Tq, delta.stride(1),
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_T=BLOCK_T,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), BLOCK_T=BLOCK_T,
     )  # fmt: skip
     return delta, lse_bwd, do_finite, q_finite
 
@@ -205,67 +246,72 @@ def _stride_rows(lse, delta):
     return delta.stride(1)
 
 
-def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale):
+def _backward_dkdv(do, q, k, v, lse, delta, schedule, sm_scale, variant=PLAIN):
     B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     BM, BN = _blocks("dkdv", q)
     end = schedule.subtree_end
     heads_per_row = B // max(end.shape[0], 1) * Hkv  # an empty batch may bring an empty [0, Tk] tree
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     shares = schedule.dkdv_shares(heads_per_row, Hq // Hkv, D)
-    workspace = shares.workspace(D, q.device)
+    workspace = shares.workspace(D, Dv, q.device)
     assert shares.unit % BN == 0, "a dK/dV program's keys lie in one share unit"
-    if hopper.applies(q, k, v, do):
+    if _hopper_applies(variant, q, k, v, do):
         order = schedule.key_block_order(hopper.DKDV_BLOCK_M, hopper.DKDV_BLOCK_N)
         hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, end, order, sm_scale * LOG2E.value, sm_scale,
-                                       _batch_strides(end, 0)[0], heads_per_row, shares, workspace)  # fmt: skip
+                             _batch_strides(end, 0)[0], heads_per_row, shares,
+                             workspace.view(-1, 2, shares.unit, D))  # fmt: skip
     else:
         order = schedule.key_block_order(BM, BN)
+        values, flags = variant.args(sm_scale, end, schedule)
         args = (
-            q, k, v, do, lse, delta, dk, dv, end, order, shares.shares, shares.first, workspace,
-            sm_scale * LOG2E.value, sm_scale,
+            q, k, v, do, lse, delta, dk, dv, end, values[0], order, shares.shares, shares.first, workspace,
+            sm_scale * LOG2E.value, sm_scale, *values[1:],
             *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
             _batch_strides(end, 0)[0], heads_per_row, _stride_rows(lse, delta), shares.max_shares,
             Hq, Hkv, Hq // Hkv, Tq, Tk,
         )  # fmt: skip
         _launch_tuned(tree_attention_bwd_dkdv_kernel, (order.numel() * heads_per_row * shares.max_shares,), args, D,
-                      BM, BN, size_class(Tq), q.dtype, BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype),
-                      UNIT=shares.unit)  # fmt: skip
+                      BM, BN, size_class(Tq), q.dtype, HEAD_DIM_V=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
+                      DOT_PRECISION=_dot_precision(q.dtype), UNIT=shares.unit, **flags)  # fmt: skip
     if shares.max_shares > 1:
         _sum_dkdv_shares(workspace, shares, dk, dv, heads_per_row)
     return dk, dv
 
 
 def _sum_dkdv_shares(workspace, shares: DkdvShares, dk, dv, heads_per_row):
-    """dk, dv [B, Hkv, Tk, D] of the split units, from their shares' partials in ``workspace``."""
+    """dk [B, Hkv, Tk, D], dv [B, Hkv, Tk, Dv] of the split units, from their shares' partials in ``workspace``."""
     _, Hkv, Tk, D = dk.shape
+    Dv = dv.shape[-1]
     dkdv_shares_sum_kernel[(shares.shares.numel(), heads_per_row)](
         workspace, shares.shares, shares.first, dk, dv, *_strides(dk), *_strides(dv), heads_per_row, Hkv,
-        cdiv(Tk, shares.unit), Tk, HEAD_DIM=D, BLOCK_D=_block_d(D), UNIT=shares.unit,
-        BLOCK_T=16 if INTERPRET else 32,
+        cdiv(Tk, shares.unit), Tk, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
+        UNIT=shares.unit, BLOCK_T=16 if INTERPRET else 32,
     )  # fmt: skip
 
 
-def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale):
+def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale, variant=PLAIN):
     B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[3]
     BM, BN = _blocks("dq", q)
     end = schedule.subtree_end
-    lists = schedule.block_lists(BM, BN)
+    lists = schedule.block_lists(BM, BN, variant.window)
     num_m_blocks = cdiv(Tq, BM)
     dq = torch.empty_like(q)
-    if (BM, BN) == (hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N) and hopper.applies(q, k, v, do):
+    if (BM, BN) == (hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N) and _hopper_applies(variant, q, k, v, do):
         hopper.backward_dq(q, k, v, do, lse, delta, dq, end, lists, sm_scale * LOG2E.value, sm_scale,
-                                     _batch_strides(end, num_m_blocks))  # fmt: skip
+                           _batch_strides(end, num_m_blocks))  # fmt: skip
         return dq
+    values, flags = variant.args(sm_scale, end, schedule)
     args = (
-        q, k, v, do, lse, delta, dq, end, lists.count, lists.full, lists.idx, lists.run,
-        sm_scale * LOG2E.value, sm_scale,
+        q, k, v, do, lse, delta, dq, end, values[0], lists.count, lists.full, lists.idx, lists.run,
+        sm_scale * LOG2E.value, sm_scale, *values[1:],
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *_batch_strides(end, num_m_blocks), lists.num_key_blocks, _stride_rows(lse, delta), Hq, Hq // Hkv, Tq, Tk,
     )  # fmt: skip
     _launch_tuned(tree_attention_bwd_dq_kernel, (num_m_blocks, B * Hq), args, D, BM, BN, size_class(Tq), q.dtype,
-                  BLOCK_D=_block_d(D), DOT_PRECISION=_dot_precision(q.dtype))  # fmt: skip
+                  HEAD_DIM_V=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv), DOT_PRECISION=_dot_precision(q.dtype),
+                  **flags)  # fmt: skip
     return dq
 
 
@@ -279,10 +325,11 @@ def _last_dim_contiguous(x):
 
 class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, schedule, sm_scale):
-        o, lse, v_finite = _forward(q, k, v, schedule, sm_scale)
-        ctx.save_for_backward(q, k, v_finite, o, lse)
-        ctx.schedule, ctx.sm_scale = schedule, sm_scale
+    def forward(ctx, q, k, v, sinks, schedule, sm_scale, window, softcap):
+        variant = Variant(window, softcap, None if sinks is None else sinks.float().contiguous())
+        o, lse, v_finite = _forward(q, k, v, schedule, sm_scale, variant)
+        ctx.save_for_backward(q, k, v_finite, o, lse, variant.sinks)
+        ctx.schedule, ctx.sm_scale, ctx.window, ctx.softcap = schedule, sm_scale, window, softcap
         ctx.mark_non_differentiable(lse)
         # the LSE has no gradient to give: spare autograd a zero-filled one in every backward (a launch
         # and an allocation, ~10% of a small call's host cost)
@@ -293,10 +340,11 @@ class TreeAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         refuse_create_graph("tree_attention")  # a second derivative would need kernels of its own
         if do is None:  # the output reached no loss
-            return None, None, None, None, None
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(_last_dim_contiguous(do), q, k, v, o, lse, ctx.schedule, ctx.sm_scale)
-        return dq, dk, dv, None, None
+            return (None,) * 8
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        variant = Variant(ctx.window, ctx.softcap, sinks)
+        dq, dk, dv, dsinks = _backward(_last_dim_contiguous(do), q, k, v, o, lse, ctx.schedule, ctx.sm_scale, variant)
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -316,9 +364,9 @@ def _check_inputs(q, k, v):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"tree_attention needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    for name, x in (("q", q), ("k", k)):
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in batch, heads and tokens, got {tuple(k.shape)} and {tuple(v.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
         if 0 in x.shape[1:]:
             raise ValueError(f"{name} has shape {tuple(x.shape)}: heads, tokens and head dim must be at least 1")
     B, Hq, Tq, D = q.shape
@@ -328,10 +376,9 @@ def _check_inputs(q, k, v):
         raise ValueError(f"number of query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
     if Tq > k.shape[2]:
         raise ValueError(f"more queries ({Tq}) than keys ({k.shape[2]}): queries are the last Tq key positions")
-    if Tq == 0:
-        raise ValueError("no queries: Tq must be at least 1")
-    if D > 256:
-        raise ValueError(f"head dim {D} is not supported (at most 256)")
+    for name, size in (("head dim", D), ("value head dim", v.shape[3])):
+        if size > 256:
+            raise ValueError(f"{name} {size} is not supported (at most 256)")
 
 
 # CUDA takes at most 65535 programs on a grid's second axis, which the kernels give to batch x heads (and
@@ -340,17 +387,25 @@ MAX_GRID_ROWS = 65535
 SCALE_LIMIT = 1e38  # the kernels take scale * log2(e) as a float32
 
 
-def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSchedule | None = None, return_lse=False):
+def tree_attention(
+    q, k, v, subtree_end=None, scale=None, *, position_ids=None, window=None, sinks=None, softcap=None,
+    schedule: TreeSchedule | None = None, return_lse=False,
+):  # fmt: skip
     """Tree attention: the query at key position i attends key j iff j <= i < subtree_end[j].
 
-    q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D] (GQA when Hq is a multiple of Hkv);
-    subtree_end [Tk] or [B, Tk] int. The queries are the last Tq key positions
-    (Tq < Tk: the first Tk - Tq keys are a cached prefix). Pass a ``schedule``
-    from :func:`build_schedule` instead of ``subtree_end`` to reuse it across
-    layers. Returns the output [B, Hq, Tq, D] (and the float32 natural-log
-    LSE [B, Hq, Tq] with ``return_lse=True``, which carries no gradient).
-    Differentiable in q, k, v, once (``create_graph=True`` raises). Under
-    autocast, q, k and v are first cast to its dtype, as SDPA's are.
+    q [B, Hq, Tq, D]; k [B, Hkv, Tk, D], v [B, Hkv, Tk, Dv] (GQA when Hq is a multiple of Hkv; Dv may
+    differ from D, as in MLA); subtree_end [Tk] or [B, Tk] int. The queries are the last Tq key positions
+    (Tq < Tk: the first Tk - Tq keys are a cached prefix). Pass a ``schedule`` from
+    :func:`build_schedule` instead of ``subtree_end`` to reuse it across layers.
+
+    Variants, as ``dta_ref.tree_attention`` computes them: ``window``, a sliding window over
+    ``position_ids`` (the keys' depths, shaped as ``subtree_end``; with a schedule, give them to
+    ``build_schedule``); ``softcap``, scores ``softcap * tanh(scale * q.k / softcap)``; ``sinks`` [Hq], a
+    learned logit per head in every softmax denominator (differentiable).
+
+    Returns the output [B, Hq, Tq, Dv] (and the float32 natural-log LSE [B, Hq, Tq] with
+    ``return_lse=True``, which carries no gradient). Differentiable in q, k, v and sinks, once
+    (``create_graph=True`` raises). Under autocast, q, k and v are first cast to its dtype, as SDPA's are.
     """
     q, k, v = autocast_inputs(q, k, v)
     _check_inputs(q, k, v)
@@ -363,11 +418,13 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
             raise TypeError(f"subtree_end must be an integer tensor [Tk] or [B, Tk], got {type(subtree_end).__name__}")
         if subtree_end.shape[-1:] != (Tk,):
             raise ValueError(f"subtree_end has shape {tuple(subtree_end.shape)}, but k has {Tk} keys")
-        schedule = build_schedule(subtree_end.to(q.device), Tq)
+        schedule = build_schedule(subtree_end.to(q.device), Tq, position_ids=position_ids)
     elif subtree_end is not None:
         raise ValueError("pass either subtree_end or schedule, not both")
     elif not isinstance(schedule, TreeSchedule):
         raise TypeError(f"schedule must be a TreeSchedule (from build_schedule), got {type(schedule).__name__}")
+    elif position_ids is not None:
+        raise ValueError("with a schedule, pass position_ids to build_schedule, not to tree_attention")
     if schedule.num_keys != Tk or schedule.num_queries != Tq:
         raise ValueError(
             f"tree metadata covers {schedule.num_keys} keys / {schedule.num_queries} queries, "
@@ -377,10 +434,18 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         raise ValueError(f"subtree_end has batch size {schedule.subtree_end.shape[0]}, expected 1 or {B}")
     if schedule.subtree_end.device != q.device:
         raise ValueError(f"subtree_end is on {schedule.subtree_end.device}, q on {q.device}")
+    window = check_int("window", window, 1, allow_none=True)
+    if window is not None and schedule.position_ids is None:
+        raise ValueError("a sliding window needs position_ids, the keys' depths (build_schedule(..., position_ids=))")
+    softcap = None if softcap is None else check_softcap(softcap)
+    sinks = check_sinks(sinks, Hq)
+    if sinks is not None and sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {q.device}")
     step = max(MAX_GRID_ROWS // Hq, 1)
     if B > step:  # a rollout's large batch of short rows: the kernels run on slices of it
-        slices = [tree_attention(q[b : b + step], k[b : b + step], v[b : b + step], scale=scale,
-                                 schedule=schedule.rows(b, b + step), return_lse=return_lse)
+        slices = [tree_attention(q[b : b + step], k[b : b + step], v[b : b + step], scale=scale, window=window,
+                                 sinks=sinks, softcap=softcap, schedule=schedule.rows(b, b + step),
+                                 return_lse=return_lse)
                   for b in range(0, B, step)]  # fmt: skip
         if return_lse:
             return torch.cat([o for o, _ in slices]), torch.cat([lse for _, lse in slices])
@@ -392,12 +457,14 @@ def tree_attention(q, k, v, subtree_end=None, scale=None, *, schedule: TreeSched
         # the Triton interpreter's bfloat16 tl.dot is wrong (by up to ~1e9, Triton 3.6 to 3.9): float32
         # kernels there, bfloat16 out; autograd casts the gradients back
         with torch.autocast(q.device.type, enabled=False):  # else autocast would cast them back
-            out = tree_attention(q.float(), k.float(), v.float(), scale=sm_scale, schedule=schedule,
-                                 return_lse=return_lse)  # fmt: skip
+            out = tree_attention(q.float(), k.float(), v.float(), scale=sm_scale, window=window, sinks=sinks,
+                                 softcap=softcap, schedule=schedule, return_lse=return_lse)  # fmt: skip
         return (out[0].to(q.dtype), out[1]) if return_lse else out.to(q.dtype)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = TreeAttentionFunction.apply(q, k, v, schedule, sm_scale)
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    if torch.is_grad_enabled() and needs_grad:
+        o, lse = TreeAttentionFunction.apply(q, k, v, sinks, schedule, sm_scale, window, softcap)
     else:  # nothing to differentiate (a rollout step): spare the autograd Function's host cost
-        o, lse, _ = _forward(q, k, v, schedule, sm_scale)
+        variant = Variant(window, softcap, None if sinks is None else sinks.float().contiguous())
+        o, lse, _ = _forward(q, k, v, schedule, sm_scale, variant)
     return (o, lse) if return_lse else o

@@ -76,17 +76,19 @@ def _validate_once(subtree_end: torch.Tensor) -> None:
 class TreeSchedule:
     """Per-tree data shared by every attention call over the same tree (e.g. all layers).
 
-    ``block_lists(BLOCK_M, BLOCK_N)`` lists, per query block, its live key
-    blocks; ``key_block_order`` ranks the key blocks by the queries they walk
-    in dK/dV; ``dkdv_shares`` shares out the query heads of the key blocks
-    that walk the most. Each is built on the GPU without waiting for it, once
-    per block shape (or head layout), and kept; except inside a CUDA graph capture, where a
-    kernel only records its work: what it builds there is filled in when the
-    graph replays, so it serves that graph and is not kept for later calls.
+    ``block_lists(BLOCK_M, BLOCK_N, window)`` lists, per query block, its live key
+    blocks (under a sliding window over ``position_ids``, the keys' depths);
+    ``key_block_order`` ranks the key blocks by the queries they walk in dK/dV;
+    ``dkdv_shares`` shares out the query heads of the key blocks that walk the most.
+    Each is built on the GPU without waiting for it, once per block shape (or head
+    layout), and kept; except inside a CUDA graph capture, where a kernel only
+    records its work: what it builds there is filled in when the graph replays, so
+    it serves that graph and is not kept for later calls.
     """
 
     subtree_end: torch.Tensor  # [B, Tk] int32, contiguous; the schedule's own (build_schedule copies it)
     num_queries: int
+    position_ids: torch.Tensor | None = None  # [B, Tk] int32 depths, as subtree_end; sliding windows need them
     _lists: dict = field(default_factory=dict, repr=False)
     _order: dict = field(default_factory=dict, repr=False)
     _work: dict = field(default_factory=dict, repr=False)
@@ -102,6 +104,12 @@ class TreeSchedule:
                 f"got {got}"
             )
         _check_num_queries(self.num_queries, end.shape[1])
+        pos = self.position_ids
+        if pos is not None and not (
+            isinstance(pos, torch.Tensor) and pos.dtype == torch.int32 and pos.shape == end.shape
+            and pos.is_contiguous() and pos.device == end.device
+        ):  # fmt: skip
+            raise ValueError("TreeSchedule.position_ids must be a contiguous int32 tensor shaped as subtree_end")
 
     @property
     def num_keys(self) -> int:
@@ -111,20 +119,23 @@ class TreeSchedule:
         """The schedule of batch rows ``start:stop`` (this one where the batch shares one tree)."""
         if self.subtree_end.shape[0] == 1:
             return self
-        return TreeSchedule(self.subtree_end[start:stop], self.num_queries)
+        pos = None if self.position_ids is None else self.position_ids[start:stop]
+        return TreeSchedule(self.subtree_end[start:stop], self.num_queries, pos)
 
     @property
     def q_offset(self) -> int:
         return self.num_keys - self.num_queries
 
-    def block_lists(self, BLOCK_M: int, BLOCK_N: int) -> BlockLists:
-        key = (BLOCK_M, BLOCK_N)
+    def block_lists(self, BLOCK_M: int, BLOCK_N: int, window: int | None = None) -> BlockLists:
+        key = (BLOCK_M, BLOCK_N, window)
         if key in self._lists:
             return self._lists[key]
-        BLOCK_M, BLOCK_N = key = _block_shape(BLOCK_M, BLOCK_N)
-        lists = _build_block_lists(self.subtree_end, self.num_queries, BLOCK_M, BLOCK_N)
+        BLOCK_M, BLOCK_N = _block_shape(BLOCK_M, BLOCK_N)
+        if window is not None and self.position_ids is None:
+            raise ValueError("a sliding window needs the keys' depths: build_schedule(..., position_ids=...)")
+        lists = _build_block_lists(self.subtree_end, self.position_ids, window, self.num_queries, BLOCK_M, BLOCK_N)
         if not self._capturing():
-            self._lists[key] = lists
+            self._lists[(BLOCK_M, BLOCK_N, window)] = lists
         return lists
 
     def key_block_order(self, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
@@ -244,9 +255,9 @@ class DkdvShares:
     slots: int  # workspace slots the shares may use (a bound, known on the host)
     unit: int  # keys per unit (DKDV_SPLIT_UNIT when it was built)
 
-    def workspace(self, head_dim: int, device) -> torch.Tensor:
-        """The float32 partials' room: ``slots`` [dK, dV] tiles of a unit's keys."""
-        return torch.empty(max(self.slots, 1), 2, self.unit, head_dim, device=device, dtype=torch.float32)
+    def workspace(self, head_dim: int, head_dim_v: int, device) -> torch.Tensor:
+        """The float32 partials' room: ``slots`` dK tiles and dV tiles of a unit's keys, [slots, unit * (D + Dv)]."""
+        return torch.empty(max(self.slots, 1), self.unit * (head_dim + head_dim_v), device=device, dtype=torch.float32)
 
 
 def _dkdv_shares(work, heads_per_row: int, group: int, head_dim: int) -> DkdvShares:
@@ -255,7 +266,7 @@ def _dkdv_shares(work, heads_per_row: int, group: int, head_dim: int) -> DkdvSha
     shares, first = torch.ones(2, units, dtype=torch.int32, device=work.device)
     if group == 1 or units == 0:  # one query head per K/V head: nothing to share out
         return DkdvShares(shares, first, 1, 0, DKDV_SPLIT_UNIT)
-    per_slot = 2 * DKDV_SPLIT_UNIT * head_dim * 4  # a float32 dK and dV tile of one unit
+    per_slot = 2 * DKDV_SPLIT_UNIT * head_dim * 4  # a float32 dK and dV tile of one unit (Dv as D)
     sms = sm_count(work.device)
     # the largest F's slots stay under 2 F x SMs (docs/design_notes.md, "dK/dV shares by each key block's
     # work"), and under every unit split into every head
@@ -268,14 +279,14 @@ def _dkdv_shares(work, heads_per_row: int, group: int, head_dim: int) -> DkdvSha
     return DkdvShares(shares, first, group if slots > 0 else 1, slots, DKDV_SPLIT_UNIT)
 
 
-def _build_block_lists(subtree_end, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
+def _build_block_lists(subtree_end, position_ids, window, Tq, BLOCK_M, BLOCK_N) -> BlockLists:
     B, Tk = subtree_end.shape
     Mq, Nk = cdiv(Tq, BLOCK_M), cdiv(Tk, BLOCK_N)
     count, full = torch.empty(2, B * Mq, dtype=torch.int32, device=subtree_end.device)
     idx, run = torch.empty(2, B * Mq * Nk, dtype=torch.int32, device=subtree_end.device)
     block_lists_kernel[(Mq, B)](
-        subtree_end, count, full, idx, run, subtree_end.stride(0), Tq, Tk, Nk,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK,
+        subtree_end, subtree_end if window is None else position_ids, count, full, idx, run, subtree_end.stride(0),
+        Tq, Tk, Nk, window or 0, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=SCHEDULE_CHUNK, WINDOW=window is not None,
     )  # fmt: skip
     return BlockLists(count, full, idx, run, Nk)
 
@@ -287,9 +298,12 @@ def _check_num_queries(num_queries, Tk: int) -> None:
         raise ValueError(f"number of queries ({num_queries}) must be between 1 and the number of keys ({Tk})")
 
 
-def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True) -> TreeSchedule:
+def build_schedule(
+    subtree_end: torch.Tensor, num_queries: int | None = None, validate: bool = True, *, position_ids=None
+) -> TreeSchedule:
     """Check ``subtree_end`` ([Tk] or [B, Tk] int) and wrap a copy of it for the kernels: writing to
-    ``subtree_end`` later leaves the schedule as it was built."""
+    ``subtree_end`` later leaves the schedule as it was built. ``position_ids`` (the keys' depths, shaped
+    as ``subtree_end``) serve sliding windows."""
     _check_subtree_end_type(subtree_end)
     Tk = subtree_end.shape[-1]
     if isinstance(num_queries, numbers.Integral) and not isinstance(num_queries, bool):
@@ -301,4 +315,15 @@ def build_schedule(subtree_end: torch.Tensor, num_queries: int | None = None, va
     if validate:
         _validate_once(subtree_end)
     rows = subtree_end if subtree_end.dim() == 2 else subtree_end[None]
-    return TreeSchedule(rows.to(torch.int32, memory_format=torch.contiguous_format, copy=True), num_queries)
+    end = rows.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
+    pos = None
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point:
+            raise TypeError(f"position_ids must be an integer tensor, got {type(position_ids).__name__}")
+        if position_ids.shape != subtree_end.shape:
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)}, subtree_end {tuple(subtree_end.shape)}"
+            )
+        pos = (position_ids if position_ids.dim() == 2 else position_ids[None]).to(end.device)
+        pos = pos.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
+    return TreeSchedule(end, num_queries, pos)

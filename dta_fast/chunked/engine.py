@@ -220,20 +220,20 @@ class ChunkEngine:
         """Chunk ``c``'s forward with its ancestors' K/V as a cached prefix."""
         a, b = int(self.plan.start[c]), int(self.plan.stop[c])
         pieces = self.plan.prefix(c)
-        end = self.tree.subtree_end
-        starts = [int(self.plan.start[p.owner]) for p in pieces]
-        prefix_end = [end[s + p.lo : s + p.hi] for s, p in zip(starts, pieces)]
+        end, depth = self.tree.subtree_end, self.tree.position_ids
+        spans = [slice(int(self.plan.start[p.owner]) + p.lo, int(self.plan.start[p.owner]) + p.hi) for p in pieces]
         P = int(self.plan.prefix_tokens[c])
-        key_end = torch.cat(prefix_end + [end[a:b]]).clamp(max=b) - a + P  # chunk-local key coordinates
-        attend_tree = tree_attend(key_end, b - a, self.kernel)
+        key_end = torch.cat([end[s] for s in spans] + [end[a:b]]).clamp(max=b) - a + P  # chunk-local key coordinates
+        key_depth = torch.cat([depth[s] for s in spans] + [depth[a:b]])
+        attend_tree = tree_attend(key_end, b - a, self.kernel, key_depth)
         chunk = self.open[c]
 
-        def attend(layer, q, k, v, scale):
+        def attend(layer, q, k, v, scale, **variant):
             if layer not in chunk.layers:  # idempotent: a checkpointed layer calls attend twice
                 chunk.layers[layer] = _LayerKV(k.detach(), v.detach())
             prefix = [(self.open[p.owner].layers[layer], p.lo, p.hi) for p in pieces]
             k, v = AttendedKV.apply(k, v, chunk.layers[layer], prefix)
-            return attend_tree(q, k, v, scale)
+            return attend_tree(layer, q, k, v, scale, **variant)
 
         with torch.set_grad_enabled(grad), warnings.catch_warnings():
             # reentrant checkpointing warns of a forward without gradients; this one needs none

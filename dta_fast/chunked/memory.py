@@ -48,7 +48,7 @@ class MemoryModel:
         # gradient's cast (z + w per logit), beside the one buffer the windows' weight gradients are
         # summed into (W)
         cast = w if w != z else 0
-        kv, size = shape.layers * 2 * shape.kv_heads * shape.head_dim, shape.bytes_per_element
+        kv, size = shape.layers * shape.kv_heads * (shape.head_dim + shape.value_dim), shape.bytes_per_element
         layer, trunk, own = _layer_bytes_per_token(shape), _trunk_bytes_per_token(shape), adapter.checkpointed_layers
         checkpointed = shape.layers * shape.hidden * size + trunk + 2 * shape.head_dim * size  # + RoPE's cos, sin
         return cls(
@@ -157,7 +157,8 @@ def _layer_bytes_per_token(shape) -> int:
     queries and attention output, the chunk's own K/V, four MLP intermediates, and the query/key norms'
     float32 copies where the model has them (Qwen3)."""
     hidden, size = shape.hidden, shape.bytes_per_element
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_head = (shape.head_dim + shape.value_dim) // 2  # a query (or K/V) head's and its output's width
+    q, kv = shape.heads * per_head, shape.kv_heads * per_head
     per_layer = (
         2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
     )

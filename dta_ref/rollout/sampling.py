@@ -18,9 +18,8 @@ import torch
 from tqdm import tqdm
 
 from ..adapter import adapt
-from ..attention import mask_from_subtree_end, masked_attend
+from ..attention import masked_attend
 from ..checks import MIN_TEMPERATURE, as_float, check_int
-from ..hf import check_in_window
 from ..logprobs import logprob_dtype
 from ..tree import _as_token_list
 
@@ -95,7 +94,6 @@ def check_sampling_args(model, prompts, max_new_tokens, temperature, top_k, top_
             f"sampled id past {adapter.vocab_size - 1} could not be fed back; resize one to match the other"
         )
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
-    check_in_window(adapter.sliding_window, max(map(len, prompts)) + max_new_tokens - 1)  # before any work
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
     if not math.isfinite(as_float(temperature)) or not (temperature == 0 or temperature >= MIN_TEMPERATURE):
@@ -236,7 +234,7 @@ def context_logits(model, contexts: list[list[int]]) -> torch.Tensor:
         ids = torch.tensor(ctx, device=device)[None]
         pos = torch.arange(len(ctx), device=device)[None]
         end = torch.full((len(ctx),), len(ctx), device=device)
-        attend = masked_attend(mask_from_subtree_end(end, pos[0]))
+        attend = masked_attend(end, pos[0], pos[0])
         rows.append(adapter.head(adapter.hidden_states(ids, pos, attend)[0, -1]))
     return torch.stack(rows)
 

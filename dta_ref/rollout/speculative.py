@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adapter import adapt
-from ..attention import mask_from_subtree_end, masked_attend
+from ..attention import masked_attend
 from ..logprobs import logprob_dtype
 from .cache import DraftBudget, Drafter, DraftTree, RolloutCache, Walk, walk
 from .sampling import (
@@ -178,7 +178,7 @@ def speculative_sample(
                 ids = torch.tensor(context + draft.tokens, device=device)[None]
                 pos = torch.tensor(list(range(len(context))) + positions, device=device)
                 end = torch.tensor([T] * len(context) + ends, device=device)
-                attend = masked_attend(mask_from_subtree_end(end, torch.arange(T, device=device)))
+                attend = masked_attend(end, torch.arange(T, device=device), pos)
                 hidden = adapter.hidden_states(ids, pos[None], attend)[0, len(context) - 1 :]  # draws 0..len(draft)
                 probs = sampling_probs(head(hidden), params)
                 n = len(draft) + 1

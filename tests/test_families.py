@@ -1,0 +1,162 @@
+"""Every text family RL teams train, on the tree, against each rollout run alone through the model's own
+forward: logprobs and every parameter gradient. Rollouts are longer than the sliding windows; the
+families bring windows, attention sinks, logit softcapping (attention and final), MLA head dims, MoE
+routing and its auxiliary loss, QK norms, partial rotary and embedding scaling."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dta_fast
+import dta_ref
+from dta_fast.trainer_common import LinearizedLoss
+from dta_ref import PrefixTree
+from tests.helpers import MOE_FAMILIES, TEXT_FAMILIES, TINY_VOCAB, WINDOW, tiny_family_model
+
+GRPO = dta_ref.grpo_batch(num_groups=2, prompt_len=7, num_responses=3, response_len=6, vocab_size=TINY_VOCAB, seed=1)
+AGENTIC = dta_ref.agentic_batch(
+    system_len=4, num_tasks=2, task_len=2, rollouts_per_task=2, turns=3, assistant_len=2, tool_len=2,
+    vocab_size=TINY_VOCAB, seed=2,
+)  # fmt: skip
+ROLLOUT_SETS = {"grpo": GRPO, "agentic": AGENTIC}
+assert min(map(len, GRPO)) > 2 * WINDOW and max(map(len, AGENTIC)) > 2 * WINDOW
+
+
+def weighted(logprobs: torch.Tensor, tree: PrefixTree) -> torch.Tensor:
+    """A loss with a random weight on every logprob (one seed: the same weights for every way of computing)."""
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return (logprobs * weights.to(logprobs) * tree.logprob_mask.to(logprobs.device)).sum()
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def each_rollout_alone(model, sequences, tree):
+    """The truth: logprobs of each rollout alone through the model's own forward, and the gradient of the
+    weighted loss on them."""
+    model.zero_grad(set_to_none=True)
+    logprobs = dta_ref.flat_logprobs(model, sequences)
+    weighted(logprobs, tree).backward()
+    return logprobs.detach(), grads(model)
+
+
+def assert_same(got_lp, got_grads, want_lp, want_grads, rel: float, what: str):
+    torch.testing.assert_close(got_lp.double(), want_lp.double(), rtol=rel, atol=rel, msg=lambda m: f"{what}: {m}")
+    err = float((got_grads.double() - want_grads.double()).norm() / want_grads.double().norm())
+    assert err < rel, f"{what}: parameter gradients {err:.2e} (relative) away from each rollout alone"
+
+
+@pytest.mark.parametrize("rollouts", ROLLOUT_SETS)
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_reference_tree_equals_each_rollout_alone(family, rollouts):
+    """dta_ref.tree_logprobs (explicit masks) and tree_backward in one chunk and in small chunks: the
+    logprobs and parameter gradients of each rollout alone (float64 models; transformers computes norms
+    and routers in float32 inside, hence 1e-6)."""
+    sequences = ROLLOUT_SETS[rollouts]
+    tree = PrefixTree.from_sequences(sequences)
+    model = tiny_family_model(family, torch.float64)
+    want_lp, want_grads = each_rollout_alone(model, sequences, tree)
+    assert want_grads.norm() > 0
+
+    model.zero_grad(set_to_none=True)
+    logprobs = dta_ref.tree_logprobs(model, tree)
+    weighted(logprobs, tree).backward()
+    assert_same(logprobs.detach(), grads(model), want_lp, want_grads, 1e-6, "dta_ref.tree_logprobs")
+
+    loss = WeightedLoss(tree)
+    for chunk in (None, 5, 13):
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk)
+        assert_same(logprobs, grads(model), want_lp, want_grads, 1e-6, f"tree_backward, chunks of {chunk}")
+
+
+def WeightedLoss(tree: PrefixTree) -> LinearizedLoss:
+    """:func:`weighted` as a TokenLoss, so tree_backward trains it chunk by chunk."""
+    shape = (tree.num_sequences, tree.max_length - 1)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return LinearizedLoss(weights * tree.logprob_mask)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_kernel_tree_equals_each_rollout_alone(family):
+    """The Triton kernel (interpreted on CPU) on a float32 model: its logprobs and gradients are as close to
+    the float64 truth as each rollout alone in float32 is, within a small factor."""
+    tree = PrefixTree.from_sequences(GRPO)
+    model = tiny_family_model(family, torch.float32)
+    exact = copy.deepcopy(model).double()
+    want_lp, want_grads = each_rollout_alone(exact, GRPO, tree)
+    same_lp, same_grads = each_rollout_alone(model, GRPO, tree)
+    model.zero_grad(set_to_none=True)
+    logprobs = dta_fast.tree_logprobs(model, tree, attention_impl="kernel")
+    weighted(logprobs, tree).backward()
+    lp_err = float((logprobs.detach().double() - want_lp).abs().max())
+    lp_same = float((same_lp.double() - want_lp).abs().max())
+    assert lp_err <= 4 * lp_same + 1e-5, f"logprobs {lp_err:.2e} against {lp_same:.2e} each rollout alone"
+    norm = want_grads.norm()
+    g_err = float((grads(model).double() - want_grads).norm() / norm)
+    g_same = float((same_grads.double() - want_grads).norm() / norm)
+    assert g_err <= 4 * g_same + 1e-5, f"gradients {g_err:.2e} against {g_same:.2e} each rollout alone"
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "deepseek-v3"])
+def test_kernel_tree_backward_in_chunks(family):
+    """tree_backward through the kernel in small chunks, where cached prefixes meet windows, sinks, softcaps
+    and MLA head dims: each rollout alone's gradients, within float32."""
+    tree = PrefixTree.from_sequences(AGENTIC)
+    model = tiny_family_model(family, torch.float32)
+    want_lp, want_grads = each_rollout_alone(copy.deepcopy(model).double(), AGENTIC, tree)
+    model.zero_grad(set_to_none=True)
+    logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=7, attention_impl="kernel")
+    assert_same(logprobs, grads(model), want_lp, want_grads, 1e-4, "kernel, chunks of 7")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES[:3])
+def test_router_aux_loss_equals_the_padded_batch(family):
+    """A MoE model's load-balancing loss over the tree, each packed token counted once per rollout that
+    holds it, equals the model's own on the padded batch of the rollouts, and so do its gradients."""
+    model = tiny_family_model(family, torch.float64)
+    width = max(map(len, GRPO))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in GRPO])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in GRPO])
+    want = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+    want_grads = torch.autograd.grad(want, list(model.parameters()), allow_unused=True)
+    tree = PrefixTree.from_sequences(GRPO)
+    assert int(tree.multiplicity.sum()) == int(mask.sum())
+    for twin in (dta_ref.tree_logprobs_and_entropy, dta_fast.tree_logprobs_and_entropy):
+        aux = twin(model, tree, router_aux_loss=True).aux_loss
+        torch.testing.assert_close(aux, want, rtol=1e-9, atol=0)
+        got = torch.autograd.grad(aux, list(model.parameters()), allow_unused=True)
+        assert [g is None for g in got] == [w is None for w in want_grads]  # the same parameters reached
+        got, flat = (torch.cat([x.flatten() for x in gs if x is not None]) for gs in (got, want_grads))
+        assert float((got - flat).norm() / flat.norm()) < 1e-6  # routers compute in float32
+    with pytest.raises(TypeError, match="no MoE auxiliary loss|no router logits"):
+        dta_ref.tree_logprobs_and_entropy(tiny_family_model("llama"), tree, router_aux_loss=True)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt-oss"])
+def test_samplers_past_the_window(family):
+    """The samplers generate past a sliding window (sinks and softcaps too): the twins draw the same tokens,
+    and their behaviour logprobs are each completion's logprobs scored alone."""
+    model = tiny_family_model(family, torch.float64)
+    prompts = [GRPO[0][:4], GRPO[3][:6]]
+    kw = dict(temperature=1.0, eos_token_id=None)
+    ref = dta_ref.sample(model, prompts, 2 * WINDOW, generator=torch.Generator().manual_seed(3), **kw)
+    fast = dta_fast.sample(model, prompts, 2 * WINDOW, generator=torch.Generator().manual_seed(3), **kw)
+    assert ref.completions == fast.completions
+    cache = dta_ref.RolloutCache()
+    for p, c in zip(prompts, ref.completions):
+        cache.add(p, c)
+    spec = dta_fast.speculative_sample(model, prompts, 2 * WINDOW, cache=cache, temperature=0.0)
+    greedy = dta_ref.sample(model, prompts, 2 * WINDOW, temperature=0.0)
+    assert spec.completions == greedy.completions
+    scored = dta_ref.flat_logprobs(model, [p + c for p, c in zip(prompts, fast.completions)])
+    for i, (p, c) in enumerate(zip(prompts, fast.completions)):
+        torch.testing.assert_close(fast.logprobs[i][: len(c)].double(), scored[i, len(p) - 1 : len(p) - 1 + len(c)],
+                                   rtol=1e-6, atol=1e-6)  # fmt: skip
