@@ -51,7 +51,8 @@ REFERENCE_BYTES = 4 << 30  # the float32 reference's scores per slice of queries
 
 @dataclass
 class Problem:
-    """One case's tree and bf16 inputs: q [1, H, T, D], k, v [1, Hkv, T, D], the upstream gradient do."""
+    """One case's tree and bf16 inputs: q [1, H, T, D], k, v [1, Hkv, T, D], the upstream gradient do; and
+    the variant (shapes.VARIANTS): a sliding window over the depths ``pos``, learned sinks [H]."""
 
     name: str
     tree: PrefixTree
@@ -61,18 +62,28 @@ class Problem:
     k: torch.Tensor
     v: torch.Tensor
     do: torch.Tensor
+    pos: torch.Tensor | None = None  # [T] depths, for a window
+    window: int | None = None
+    sinks: torch.Tensor | None = None  # [H] float32 leaf
 
     @property
     def leaves(self):
-        return [self.q, self.k, self.v]
+        return [self.q, self.k, self.v] + ([] if self.sinks is None else [self.sinks])
+
+    @property
+    def variant(self) -> dict:
+        return dict(window=self.window, sinks=self.sinks)
 
     @property
     def gqa(self) -> bool:
         return self.heads.kv != self.heads.q
 
 
-def problem(name: str, tree: PrefixTree, heads: shapes.Heads, device="cuda", dtype=torch.bfloat16, seed=0) -> Problem:
+def problem(
+    name: str, tree: PrefixTree, heads: shapes.Heads, device="cuda", dtype=torch.bfloat16, seed=0, variant=None
+) -> Problem:
     T, (H, Hkv, D) = tree.num_tokens, (heads.q, heads.kv, heads.dim)
+    variant = dict(variant or {})
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*size, grad=True):
@@ -87,22 +98,29 @@ def problem(name: str, tree: PrefixTree, heads: shapes.Heads, device="cuda", dty
         rand(1, Hkv, T, D),
         rand(1, Hkv, T, D),
         rand(1, H, T, D, grad=False),
+        tree.position_ids.to(device) if variant.get("window") else None,
+        variant.get("window"),
+        torch.randn(H, generator=g, device=device).requires_grad_() if variant.get("sinks") else None,
     )
 
 
 def reference(p: Problem, budget: int = REFERENCE_BYTES) -> dict:
     """out, dq, dk, dv in float32 from ``dta_ref.tree_attention``, over slices of the queries: the slice
     [a, b) attends keys [0, b), whose subtree ends clamped to b are a preorder forest of their own."""
-    q, k, v = (x.detach().float().requires_grad_() for x in p.leaves)
+    q, k, v, *sinks = (x.detach().float().requires_grad_() for x in p.leaves)
+    sinks = sinks[0] if sinks else None
     T, H = q.shape[2], q.shape[1]
     rows = max(16, budget // (16 * H * T))
     out = torch.empty_like(q)
     for a in range(0, T, rows):
         b = min(a + rows, T)
-        o = reference_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], p.end[:b].clamp(max=b))
+        pos = None if p.pos is None else p.pos[:b]
+        o = reference_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], p.end[:b].clamp(max=b), position_ids=pos,
+                                window=p.window, sinks=sinks)  # fmt: skip
         o.backward(p.do[:, :, a:b].float())
         out[:, :, a:b] = o.detach()
-    return dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad)
+    grads = dict(out=out, dq=q.grad, dk=k.grad, dv=v.grad)
+    return grads if sinks is None else grads | dict(dsinks=sinks.grad)
 
 
 def run_grads(fn, p: Problem) -> dict:
@@ -111,6 +129,8 @@ def run_grads(fn, p: Problem) -> dict:
     out = fn(p.q, p.k, p.v)
     out.backward(p.do)
     grads = dict(out=out.detach(), dq=p.q.grad, dk=p.k.grad, dv=p.v.grad)
+    if p.sinks is not None:
+        grads["dsinks"] = p.sinks.grad
     for x in p.leaves:
         x.grad = None
     return grads
@@ -135,23 +155,31 @@ def tree_methods(p: Problem, flex=None, dense: bool = True) -> dict:
     """name -> fn(q, k, v) of the packed methods (flex when ``flex`` is given, ``dense`` on small trees)."""
     from dta_fast import build_schedule, tree_attention
 
-    schedule = build_schedule(p.end)
+    schedule = build_schedule(p.end, position_ids=p.pos)
     fns = {
-        "tree": lambda q, k, v: tree_attention(q, k, v, schedule=schedule),
-        "tree_call": lambda q, k, v: tree_attention(q, k, v, subtree_end=p.end),
+        "tree": lambda q, k, v: tree_attention(q, k, v, schedule=schedule, **p.variant),
+        "tree_call": lambda q, k, v: tree_attention(q, k, v, subtree_end=p.end, position_ids=p.pos, **p.variant),
     }
     T = p.tree.num_tokens
     if flex is not None:
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return tree_mask(q_idx, kv_idx, p.end)
+            return tree_mask(q_idx, kv_idx, p.end, p.pos, p.window)
 
         block_mask = create_block_mask(mask_mod, None, None, T, T, device=p.end.device)
-        fns["flex"] = lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=p.gqa)
-    if dense and T <= DENSE_MAX_T:
-        pos = torch.arange(T, device=p.end.device)
-        mask = tree_mask(pos[:, None], pos[None, :], p.end)  # [T, T]
+        if p.sinks is None:
+            fns["flex"] = lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=p.gqa)
+        else:  # a sink joins the denominator: out * exp(lse) / (exp(lse) + exp(sink))
+
+            def flex_with_sinks(q, k, v):
+                out, lse = flex(q, k, v, block_mask=block_mask, enable_gqa=p.gqa, return_lse=True)
+                return out * torch.sigmoid(lse - p.sinks[None, :, None])[..., None].to(out.dtype)
+
+            fns["flex"] = flex_with_sinks
+    if dense and T <= DENSE_MAX_T and p.sinks is None:
+        index = torch.arange(T, device=p.end.device)
+        mask = tree_mask(index[:, None], index[None, :], p.end, p.pos, p.window)  # [T, T]
         fns["dense"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=p.gqa)
     return fns
 
@@ -182,13 +210,27 @@ def flat_groups(p: Problem) -> list[FlatGroup]:
     return groups
 
 
-def flat_step(groups: list[FlatGroup], gqa: bool, backend=None, outputs: list | None = None):
-    """Forward + backward of every sequence alone; ``backend`` None: SDPA's own choice, as a user gets it."""
+def flat_step(groups: list[FlatGroup], gqa: bool, backend=None, outputs: list | None = None, window=None, sinks=None):
+    """Forward + backward of every sequence alone; ``backend`` None: SDPA's own choice, as a user gets it.
+    A window is a boolean mask; sinks are one more key, zero in K and V, whose bias column holds them."""
+
+    def attend(g):
+        if window is None and sinks is None:
+            return F.scaled_dot_product_attention(g.q, g.k, g.v, is_causal=True, enable_gqa=gqa)
+        L = g.q.shape[2]
+        i = torch.arange(L, device=g.q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < (window or L))  # [L, L]
+        if sinks is None:
+            return F.scaled_dot_product_attention(g.q, g.k, g.v, attn_mask=mask, enable_gqa=gqa)
+        bias = torch.zeros(L, L, device=g.q.device).masked_fill(~mask, float("-inf"))
+        bias = torch.cat([bias.expand(sinks.shape[0], L, L), sinks[:, None, None].expand(-1, L, 1)], -1)
+        k, v = (F.pad(x, (0, 0, 0, 1)) for x in (g.k, g.v))
+        return F.scaled_dot_product_attention(g.q, k, v, attn_mask=bias.to(g.q.dtype), enable_gqa=gqa)
 
     def step():
         with torch.nn.attention.sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             for g in groups:
-                out = F.scaled_dot_product_attention(g.q, g.k, g.v, is_causal=True, enable_gqa=gqa)
+                out = attend(g)
                 out.backward(g.do)
                 if outputs is not None:
                     outputs.append(out.detach())
@@ -196,10 +238,10 @@ def flat_step(groups: list[FlatGroup], gqa: bool, backend=None, outputs: list | 
     return step
 
 
-def flat_gate(name, groups, gqa, backend, ref) -> harness.Gate:
+def flat_gate(name, groups, gqa, backend, ref, window=None, sinks=None) -> harness.Gate:
     """The flat outputs against the reference's rows of each sequence."""
     outputs = []
-    flat_step(groups, gqa, backend, outputs)()
+    flat_step(groups, gqa, backend, outputs, window, sinks)()
     want = [ref["out"][0][:, g.index].transpose(0, 1) for g in groups]
     for g in groups:
         for x in (g.q, g.k, g.v):
@@ -207,17 +249,27 @@ def flat_gate(name, groups, gqa, backend, ref) -> harness.Gate:
     return harness.gate(name, dict(out=outputs), dict(out=want))
 
 
-def useful_flops(tree: PrefixTree, heads: shapes.Heads) -> dict:
-    pairs = int((tree.subtree_end - torch.arange(tree.num_tokens)).sum())  # key j is seen by end[j] - j queries
+def useful_flops(tree: PrefixTree, heads: shapes.Heads, window: int | None = None) -> dict:
+    if window is None:
+        pairs = int((tree.subtree_end - torch.arange(tree.num_tokens)).sum())  # key j is seen by end[j] - j queries
+    else:  # a query sees its ancestors within the window: min(depth + 1, window) keys
+        pairs = int((tree.position_ids + 1).clamp(max=window).sum())
     return dict(fwd=4 * pairs * heads.dim * heads.q, both=14 * pairs * heads.dim * heads.q)
 
 
 def bench_case(
-    name: str, tree: PrefixTree, heads: shapes.Heads, flex=None, device="cuda", timing=True, methods=METHODS
+    name: str,
+    tree: PrefixTree,
+    heads: shapes.Heads,
+    flex=None,
+    device="cuda",
+    timing=True,
+    methods=METHODS,
+    variant: dict | None = None,
 ) -> dict:
     """One row: the gate of every method against the reference, then (``timing``) the timings of
-    those whose gate is green."""
-    p = problem(name, tree, heads, device)
+    those whose gate is green. ``variant``: shapes.VARIANTS' keywords (a window, sinks)."""
+    p = problem(name, tree, heads, device, variant=variant)
     row = dict(
         name=name,
         T=tree.num_tokens,
@@ -236,7 +288,7 @@ def bench_case(
     for m, backend in flat.items():
         if m in methods:
             try:
-                gates[m] = flat_gate(m, groups, p.gqa, backend, ref)
+                gates[m] = flat_gate(m, groups, p.gqa, backend, ref, p.window, p.sinks)
             except RuntimeError as error:  # GQA inputs the flash backend refuses
                 row[m] = dict(error=str(error).splitlines()[0])
     for fwd, full in (("tree_fwd", "tree"), ("flex_fwd", "flex")):  # the forward of a gated function
@@ -250,7 +302,7 @@ def bench_case(
             print(f"{name}: gate {g}", flush=True)
     if not timing:
         return row
-    flops = useful_flops(tree, heads)
+    flops = useful_flops(tree, heads, p.window)
     flat_leaves = [x for grp in groups for x in (grp.q, grp.k, grp.v)]
     for m, g in gates.items():
         if not g.ok or m == "tree_call":
@@ -272,7 +324,8 @@ def bench_case(
         elif m.endswith("_fwd"):
             timed = [(m, harness.measure(forward_only(fns[m[: -len("_fwd")]], p), gate=g))]
         else:
-            timed = [(m, harness.measure(flat_step(groups, p.gqa, flat[m]), flat_leaves, gate=g))]
+            step = flat_step(groups, p.gqa, flat[m], window=p.window, sinks=p.sinks)
+            timed = [(m, harness.measure(step, flat_leaves, gate=g))]
         for method, r in timed:
             row[method] = r | dict(tflops=work / r["ms"] / 1e9, event_tflops=work / r["event_ms"] / 1e9)
     add_speedups(row)
@@ -361,9 +414,9 @@ def main(argv=None):
     for group in args.shapes:
         for case in shapes.ATTENTION[group]:
             tree = shapes.tree(case.rollouts)
-            row = dict(
-                rollouts=case.rollouts, heads=case.heads, **bench_case(case.name, tree, shapes.HEADS[case.heads], flex)
-            )
+            variant = shapes.VARIANTS.get(case.variant)
+            row = bench_case(case.name, tree, shapes.HEADS[case.heads], flex, variant=variant)
+            row = dict(rollouts=case.rollouts, heads=case.heads, variant=case.variant, **row)
             rows.append(row)
             print(f"done: {case.name}", flush=True)
             torch.cuda.empty_cache()
@@ -372,7 +425,7 @@ def main(argv=None):
                 "attention",
                 rows,
                 args.out,
-                key=lambda r: (r.get("rollouts"), r.get("heads")),
+                key=lambda r: (r.get("rollouts"), r.get("heads"), r.get("variant")),
                 harness="do_bench quantiles and CUDA-event medians, gated on dta_ref",
             )
     _, rows = harness.read_results(path)

@@ -170,6 +170,7 @@ ROLLOUTS: dict[str, RolloutSet] = {
     "grpo_p8k_n16_r1k": Grpo(8192, 16, 1024),
     "grpo_p16k_n16_r2k": Grpo(16384, 16, 2048),
     "grpo_p1k_n64_r512": Grpo(1024, 64, 512),
+    "grpo_p8k_n8_r1k": Grpo(8192, 8, 1024),  # 16K tokens: the windowed rows
     # the DualKV paper's shapes (a long shared prompt, many responses)
     "dualkv_n28_p4k_r2k": Grpo(4096, 28, 2048, label="DualKV"),
     "dualkv_n28_p16k_r2k": Grpo(16384, 28, 2048, label="DualKV"),
@@ -231,6 +232,14 @@ HEADS: dict[str, Heads] = {
     "h32_kv8_d128": Heads(32, 8, 128),  # the agentic and DualKV rows
     "qwen2": Heads(14, 2, 64),  # Qwen2-0.5B's attention
     "qwen3": Heads(16, 8, 128),  # Qwen3-1.7B's attention
+    "gemma3": Heads(16, 8, 256),  # Gemma-3-12B's attention
+    "gpt_oss": Heads(64, 8, 64),  # GPT-OSS-20B's attention
+}
+
+# What a model's attention computes beyond the plain tree rule (dta_fast.tree_attention's keywords)
+VARIANTS: dict[str, dict] = {
+    "window1024": dict(window=1024),  # Gemma 3's local layers
+    "sinks_window128": dict(window=128, sinks=True),  # GPT-OSS's local layers
 }
 
 
@@ -238,10 +247,12 @@ HEADS: dict[str, Heads] = {
 class AttentionCase:
     rollouts: str  # a ROLLOUTS key
     heads: str  # a HEADS key
+    variant: str | None = None  # a VARIANTS key
 
     @property
     def name(self) -> str:
-        return f"{ROLLOUTS[self.rollouts].name}, {HEADS[self.heads].name}"
+        extra = f", {self.variant}" if self.variant else ""
+        return f"{ROLLOUTS[self.rollouts].name}, {HEADS[self.heads].name}{extra}"
 
 
 def _cases(rollouts: list[str], heads: str) -> list[AttentionCase]:
@@ -257,6 +268,10 @@ ATTENTION: dict[str, list[AttentionCase]] = {
     "qwen2": _cases(_GRPO[:2] + ["agentic_4x4x8"], "qwen2"),
     "causal": _cases(["causal_16k"], "h32_d128"),  # no tree: SDPA's default on the same causal problem
     "qwen2_rest": _cases(_GRPO[2:] + _DUALKV, "qwen2"),  # the other trees at Qwen2-0.5B's heads
+    "variants": [  # sliding windows and attention sinks on a 16K-token GRPO tree
+        AttentionCase("grpo_p8k_n8_r1k", "gemma3", "window1024"),
+        AttentionCase("grpo_p8k_n8_r1k", "gpt_oss", "sinks_window128"),
+    ],
 }
 
 

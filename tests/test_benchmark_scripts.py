@@ -219,6 +219,21 @@ def test_attention_benchmark_gates_every_method():
 
 
 @pytest.mark.kernel
+def test_attention_benchmark_gates_windows_and_sinks():
+    """The variant rows' gate: the tree kernel with a window and sinks, the dense mask with a window and SDPA
+    on each sequence alone with both (sinks as a biased extra key), against dta_ref."""
+    tree = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20))
+    for variant in (dict(window=7), dict(window=5, sinks=True)):
+        row = bench_attention.bench_case(
+            "tiny", tree, shapes.Heads(4, 2, 16), device=DEVICE, timing=False,
+            methods=("tree", "tree_call", "dense", "sdpa"), variant=variant,
+        )  # fmt: skip
+        assert row["gate_ok"] and all(g["ok"] for g in row["gate"].values()), row["gate"]
+        assert ("dsinks" in row["gate"]["tree"]["rel_err"]) == ("sinks" in variant)
+        assert ("dense" in row["gate"]) == ("sinks" not in variant)
+
+
+@pytest.mark.kernel
 def test_attention_benchmark_gives_no_figure_for_a_red_gate(monkeypatch):
     wrong = lambda p, flex=None, dense=True: {"tree": lambda q, k, v: 1.1 * dta_fast.tree_attention(q, k, v, p.end)}  # noqa: E731
     monkeypatch.setattr(bench_attention, "tree_methods", wrong)
