@@ -92,13 +92,17 @@ def poison_empty(request, monkeypatch):
         return
     empty, empty_like = torch.empty, torch.empty_like
 
+    def poisoned(x):
+        if x.dtype.is_floating_point:
+            with torch.no_grad():  # an empty leaf that requires grad (torch.empty(..., requires_grad=True)) too
+                x.fill_(float("nan"))
+        return x
+
     def nan_empty(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+        return poisoned(empty(*args, **kwargs))
 
     def nan_empty_like(*args, **kwargs):
-        x = empty_like(*args, **kwargs)
-        return x.fill_(float("nan")) if x.dtype.is_floating_point else x
+        return poisoned(empty_like(*args, **kwargs))
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch, "empty_like", nan_empty_like)

@@ -352,7 +352,7 @@ def test_schedule_benchmark_builds_and_gates(head_dim):
     end = PrefixTree.from_sequences(grpo_batch(1, 40, 3, 20)).subtree_end.to(DEVICE)
     schedule = bench_schedule.build(end, end.numel(), True, head_dim)
     assert bench_schedule.lists_gate(schedule, end, head_dim).ok
-    other = PrefixTree.from_sequences(grpo_batch(1, 20, 6, 10)).subtree_end.to(DEVICE)
+    other = PrefixTree.from_sequences(grpo_batch(1, 200, 6, 50)).subtree_end.to(DEVICE)  # more query blocks
     assert not bench_schedule.lists_gate(schedule, other, head_dim).ok
 
 

@@ -22,6 +22,7 @@ AGENTIC = dta_ref.agentic_batch(
     vocab_size=TINY_VOCAB, seed=2,
 )  # fmt: skip
 ROLLOUT_SETS = {"grpo": GRPO, "agentic": AGENTIC}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 assert min(map(len, GRPO)) > 2 * WINDOW and max(map(len, AGENTIC)) > 2 * WINDOW
 
 
@@ -87,7 +88,7 @@ def test_kernel_tree_equals_each_rollout_alone(family):
     """The Triton kernel (interpreted on CPU) on a float32 model: its logprobs and gradients are as close to
     the float64 truth as each rollout alone in float32 is, within a small factor."""
     tree = PrefixTree.from_sequences(GRPO)
-    model = tiny_family_model(family, torch.float32)
+    model = tiny_family_model(family, torch.float32).to(DEVICE)
     exact = copy.deepcopy(model).double()
     want_lp, want_grads = each_rollout_alone(exact, GRPO, tree)
     same_lp, same_grads = each_rollout_alone(model, GRPO, tree)
@@ -110,7 +111,7 @@ def test_kernel_tree_backward_in_chunks(family):
     """tree_backward through the kernel in small chunks, where cached prefixes meet windows, sinks, softcaps
     and MLA head dims: each rollout alone's gradients, within float32."""
     tree = PrefixTree.from_sequences(AGENTIC)
-    model = tiny_family_model(family, torch.float32)
+    model = tiny_family_model(family, torch.float32).to(DEVICE)
     want_lp, want_grads = each_rollout_alone(copy.deepcopy(model).double(), AGENTIC, tree)
     model.zero_grad(set_to_none=True)
     logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=7, attention_impl="kernel")

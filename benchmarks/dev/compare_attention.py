@@ -112,11 +112,15 @@ def worker(args) -> None:
     outputs another version saved there), then time those whose gate is green."""
     root = Path(args.root).resolve()
     sys.path.insert(0, str(root))
+    for name in [m for m in sys.modules if m.split(".")[0] in ("dta_ref", "dta_fast")]:  # the harness's
+        del sys.modules[name]
     import dta_fast
+    import dta_ref
 
-    where = Path(dta_fast.__file__).resolve()
-    if root not in where.parents:
-        raise SystemExit(f"dta_fast imported from {where}, not from {root}")
+    for package in (dta_fast, dta_ref):
+        where = Path(package.__file__).resolve()
+        if root not in where.parents:
+            raise SystemExit(f"{package.__name__} imported from {where}, not from {root}")
     cases = json.loads(Path(args.cases).read_text())
     rows = [run_case(dta_fast, i, case, args) for i, case in enumerate(cases) if case["name"] not in args.skip]
     Path(args.result).write_text(json.dumps(rows))
