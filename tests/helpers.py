@@ -111,6 +111,7 @@ TEXT_FAMILIES = {
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     "phi3": ("phi3", dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),  # QK-norm over all heads
+    "gpt2": ("gpt2", dict(n_inner=64, bos_token_id=0, eos_token_id=1)),  # learned absolute positions
     "deepseek-v3": (
         "deepseek_v3",
         dict(
