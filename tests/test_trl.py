@@ -372,3 +372,28 @@ def test_chunked_training_refuses_dropout(tmp_path):
         )
     logs, _, updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "packed", model(), peft, max_steps=1)
     assert len(logs) == 1 and any(u.norm() > 0 for u in updates.values())
+
+
+def test_moe_router_aux_loss_as_grpo_trainer(tmp_path):
+    """A Qwen3-MoE policy with the router's auxiliary loss in GRPO's loss: TreeGRPOTrainer computes it over
+    the tree, each packed token counted once per row that holds it, and logs and trains as GRPOTrainer
+    (SGD, 3 steps); with the tree_ chunking options it is refused by name."""
+    from tests.helpers import tiny_family_model
+
+    model = tiny_family_model("qwen3-moe", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    options = dict(router_aux_loss_coef=0.5)
+    base_logs, base_start, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path, **options)
+    tree_logs, tree_start, tree_updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path, **options)
+    assert len(base_logs) == len(tree_logs) == 3
+    for base, tree in zip(base_logs, tree_logs, strict=True):
+        assert base["aux_loss"] > 0
+        assert tree["aux_loss"] == pytest.approx(base["aux_loss"], rel=1e-5)
+        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
+    base_update = torch.cat([u.flatten() for u in base_updates.values()])
+    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
+    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+    with pytest.raises(ValueError, match="router's auxiliary loss"):
+        train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=8, **options)
