@@ -391,6 +391,7 @@ def test_attention_timeline_counts_each_kernels_products():
 
 @pytest.mark.kernel
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+@pytest.mark.slow
 def test_compare_attention_runs_each_version_from_its_own_tree():
     """compare_attention.py's A/B: the base revision in a git worktree, each version in a subprocess
     importing dta_fast from its own tree; this checkout gated against dta_ref, the base against it."""
