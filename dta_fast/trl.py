@@ -67,9 +67,25 @@ class TreeGRPOConfig(GRPOConfig):
             "budget's plan decides (None). Layers the model checkpoints itself (gradient_checkpointing) stay so."
         },
     )
+    tree_scope: str = field(
+        default="micro_batch",
+        metadata={
+            "help": "What one training tree holds: 'micro_batch' (each micro-batch, GRPOTrainer's own split) or "
+            "'optimizer_step' (every micro-batch of one optimizer step as one forest, trained depth-first within "
+            "the memory budget: a group cut by a micro-batch boundary shares its prompt again)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
+        if self.tree_scope not in ("micro_batch", "optimizer_step"):
+            raise ValueError(f"tree_scope must be 'micro_batch' or 'optimizer_step', got {self.tree_scope!r}")
+        if self.tree_scope == "optimizer_step" and self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"tree_scope='optimizer_step' trains an optimizer step's micro-batches together, so they must come "
+                f"from one generation: steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps})"
+            )
         # checked here rather than at the first training step, after a round of generation
         chunk, budget, _ = checked_chunking(self.tree_max_chunk_tokens, self.tree_memory_budget_bytes, None, "tree_")
         if self.tree_checkpoint_layers is not None:
@@ -124,6 +140,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         if attention_dropout_in(self.model) > 0:  # TRL's disable_dropout leaves this rate; training would refuse it
             raise ValueError(ATTENTION_DROPOUT_REFUSED)
+        self._step_losses = None  # tree_scope="optimizer_step": each micro-batch's loss of the current step
         if self._chunking is not None and self.aux_loss_enabled:
             raise ValueError(
                 "tree_memory_budget_bytes / tree_max_chunk_tokens train through d loss / d logprob only, and the MoE "
@@ -140,12 +157,17 @@ class TreeGRPOTrainer(GRPOTrainer):
             )
 
     @property
+    def _whole_step(self) -> bool:
+        return getattr(self.args, "tree_scope", "micro_batch") == "optimizer_step"
+
+    @property
     def _chunking(self) -> dict | None:
-        """tree_backward's chunking options, or None for one packed forward."""
+        """tree_backward's chunking options, or None for one packed forward (with tree_scope="optimizer_step",
+        the automatic budget)."""
         budget = getattr(self.args, "tree_memory_budget_bytes", None)
         size = getattr(self.args, "tree_max_chunk_tokens", None)
         if budget is None and size is None:
-            return None
+            return {} if self._whole_step else None
         checkpoint = getattr(self.args, "tree_checkpoint_layers", None)
         return dict(memory_budget_bytes=budget, max_chunk_tokens=size, checkpoint_layers=checkpoint)
 
@@ -204,31 +226,61 @@ class TreeGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         if self._entropy_bonus_enabled:
             raise ValueError(
-                "tree_memory_budget_bytes / tree_max_chunk_tokens train through d loss / d logprob only: an "
-                "entropy bonus (entropy_coef != 0 or adaptive entropy) is not supported with them"
+                "tree_memory_budget_bytes / tree_max_chunk_tokens / tree_scope='optimizer_step' train through "
+                "d loss / d logprob only: an entropy bonus (entropy_coef != 0 or adaptive entropy) is not "
+                "supported with them"
             )
         if self.accelerator.num_processes > 1:
-            raise ValueError("tree_memory_budget_bytes / tree_max_chunk_tokens run on one process only")
-        # GRPO's own loss on logprobs that are leaves: its gradient with respect to them seeds the chunked pass
-        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        with torch.no_grad():
+            raise ValueError("tree_memory_budget_bytes / tree_max_chunk_tokens / tree_scope run on one process only")
+        if not self._whole_step:
+            batches = [inputs]
+        elif self._step % self.current_gradient_accumulation_steps == 0 or self._step_losses is None:
+            # the step's first micro-batch: the whole step's micro-batches (all in the generation's buffer)
+            first, spg = self._step, self.args.steps_per_generation
+            batches = [
+                self._buffered_inputs[s % spg] for s in range(first, first + self.current_gradient_accumulation_steps)
+            ]
+        else:  # trained with the step's first micro-batch; this is its loss, which GRPOTrainer logged then
+            return self._step_losses[self._step % self.current_gradient_accumulation_steps]
+        losses = self._train_as_one_tree(model, batches, chunking)
+        self._step_losses = losses if self._whole_step else None
+        return losses[0]
+
+    def _train_as_one_tree(self, model, batches: list[dict], chunking: dict) -> list[torch.Tensor]:
+        """GRPOTrainer's own loss on each micro-batch of ``batches``, from logprobs that are leaves (their
+        normalisation as GRPOTrainer gives it, micro-batch by micro-batch), then one backward of all the
+        micro-batches' rows as one tree, depth-first within the budget, of ``sum(g * logprob)``: the
+        parameter gradient GRPOTrainer accumulates over them. Returns each micro-batch's loss, which
+        depends on its leaf only (the trainer's backward of it leaves the parameters alone)."""
+        rows = [torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1) for b in batches]
+        masks = [torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1) for b in batches]
+        input_ids, attention_mask = torch.cat(rows), torch.cat(masks)  # one generation: the same widths
+        completion = batches[0]["completion_ids"].size(1)
+        with torch.no_grad():  # one packed scoring of every row
             logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
+                model, input_ids, attention_mask, completion, batch_size=input_ids.size(0), compute_entropy=True
             )
-        leaf = logps.detach().requires_grad_(True)
+        losses, grads, start = [], [], 0
         original = self._get_per_token_logps_and_entropies
-        self._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, entropies, None)
-        try:
-            loss = super()._compute_loss(model, inputs)
-        finally:
-            self._get_per_token_logps_and_entropies = original
-        (grad,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+        for batch, ids in zip(batches, rows):
+            stop = start + ids.size(0)
+            leaf = logps[start:stop].detach().requires_grad_(True)
+            self._get_per_token_logps_and_entropies = lambda *a, leaf=leaf, e=entropies[start:stop], **k: (
+                leaf,
+                e,
+                None,
+            )
+            try:
+                loss = super()._compute_loss(model, batch)
+            finally:
+                self._get_per_token_logps_and_entropies = original
+            grads.append(torch.autograd.grad(loss, leaf, retain_graph=True)[0])
+            losses.append(loss)
+            start = stop
 
         layout = PaddedLayout.of(attention_mask)
         tree = build_tree(layout.sequences(input_ids))
-        weights = layout.to_tree(grad.double(), input_ids.size(1) - completion_ids.size(1))
+        weights = layout.to_tree(torch.cat(grads).double(), input_ids.size(1) - completion)
         unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
             # float16's loss scaling: GRPOTrainer scales the loss it backpropagates; this backward runs here
@@ -240,4 +292,4 @@ class TreeGRPOTrainer(GRPOTrainer):
                 grad_scaler=self.accelerator.scaler,
                 **chunking,
             )
-        return loss  # depends on the leaf only: the trainer's backward of it leaves the parameters alone
+        return losses

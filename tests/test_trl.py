@@ -113,6 +113,15 @@ CASES = {
     # old logprobs scored over a generation of two micro-batches, in TRL's batches of one micro-batch
     "grad-accum-two-iterations": dict(gradient_accumulation_steps=2, num_iterations=2, max_grad_norm=0.0),
     "chunked-grad-accum": dict(tree_max_chunk_tokens=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
+    # every micro-batch of an optimizer step as one forest (groups cut by the micro-batch boundary share again)
+    "one-tree-per-step": dict(
+        tree_scope="optimizer_step", gradient_accumulation_steps=2, per_device_train_batch_size=6
+    ),
+    "one-tree-per-step-chunked": dict(
+        tree_scope="optimizer_step", tree_max_chunk_tokens=8, gradient_accumulation_steps=3, num_iterations=2
+    ),
+    "one-tree-per-step-dapo": dict(tree_scope="optimizer_step", gradient_accumulation_steps=2, loss_type="dapo"),
+    "one-tree-per-step-bnpo": dict(tree_scope="optimizer_step", gradient_accumulation_steps=2, loss_type="bnpo"),
     # loss variants: every one is GRPOTrainer's own code on the tree's logprobs (and entropies)
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
     "chunked-two-sided-clip": dict(
@@ -147,7 +156,7 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path, monkeypatch):
     monkeypatch.setattr(tree_trl, "tree_backward", training)
     overrides = dict(CASES[case])
     peft = lora() if overrides.pop("peft", False) else None
-    tree_options = ("tree_memory_budget_bytes", "tree_max_chunk_tokens", "tree_checkpoint_layers")
+    tree_options = ("tree_memory_budget_bytes", "tree_max_chunk_tokens", "tree_checkpoint_layers", "tree_scope")
     chunking = {k: overrides.pop(k) for k in tree_options if k in overrides}
     model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
@@ -170,14 +179,18 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path, monkeypatch):
     tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
     assert base_update.norm() > 0  # training moved the parameters, so the comparison means something
     assert (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
-    # the options reach the engine, and each tree is one micro-batch (TRL's batch_size), not the generation
-    assert scored and max(scored) <= 8
-    if chunking:
-        assert trained and all(k["max_chunk_tokens"] == chunking.get("tree_max_chunk_tokens") for k in trained)
-        assert all(k["checkpoint_layers"] == chunking.get("tree_checkpoint_layers") for k in trained)
-        assert all(k["memory_budget_bytes"] == chunking.get("tree_memory_budget_bytes") for k in trained)
+    # the options reach the engine; each tree is one micro-batch (TRL's batch_size), or one optimizer step's
+    micro_batch = overrides.get("per_device_train_batch_size", 8)
+    whole_step = chunking.pop("tree_scope", None) == "optimizer_step"
+    assert scored and max(scored) == (micro_batch * overrides["gradient_accumulation_steps"] if whole_step else 8)
+    if chunking or whole_step:
+        assert trained and all(k.get("max_chunk_tokens") == chunking.get("tree_max_chunk_tokens") for k in trained)
+        assert all(k.get("checkpoint_layers") == chunking.get("tree_checkpoint_layers") for k in trained)
+        assert all(k.get("memory_budget_bytes") == chunking.get("tree_memory_budget_bytes") for k in trained)
     else:
         assert not trained
+    if whole_step:  # one backward per optimizer step
+        assert len(trained) == 3
 
 
 @pytest.mark.parametrize(
