@@ -38,9 +38,11 @@ from trl.kernels import ChunkedLogProbFunction
 
 from dta_ref.hf import ATTENTION_DROPOUT_REFUSED, attention_dropout_in
 from dta_ref.padded import PaddedLayout
+from dta_ref.rollout import RolloutCache
 
 from .chunked import tree_backward
 from .chunked.options import checked_chunking
+from .rollout import speculative_sample
 from .trainer_common import LinearizedLoss, block_logprobs_and_entropy, dropout_in
 from .tree import build_tree
 
@@ -76,8 +78,21 @@ class TreeGRPOConfig(GRPOConfig):
         },
     )
 
+    tree_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample completions with dta_fast.speculative_sample, earlier completions of a prompt (kept "
+            "across steps in a RolloutCache) drafting for it, instead of transformers' generate: the same "
+            "sampling distribution (temperature, top-k, top-p), fewer forwards once completions repeat."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.tree_generation, bool):
+            raise TypeError(f"tree_generation must be True or False, got {self.tree_generation!r}")
+        if self.tree_generation and self.use_vllm:
+            raise ValueError("tree_generation replaces transformers' generate; it does not combine with use_vllm")
         if self.tree_scope not in ("micro_batch", "optimizer_step"):
             raise ValueError(f"tree_scope must be 'micro_batch' or 'optimizer_step', got {self.tree_scope!r}")
         if self.tree_scope == "optimizer_step" and self.steps_per_generation % self.gradient_accumulation_steps:
@@ -141,6 +156,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         if attention_dropout_in(self.model) > 0:  # TRL's disable_dropout leaves this rate; training would refuse it
             raise ValueError(ATTENTION_DROPOUT_REFUSED)
         self._step_losses = None  # tree_scope="optimizer_step": each micro-batch's loss of the current step
+        self._rollout_cache = RolloutCache() if getattr(self.args, "tree_generation", False) else None
+        self._sampling = self._tree_sampling() if self._rollout_cache is not None else None
         if self._chunking is not None and self.aux_loss_enabled:
             raise ValueError(
                 "tree_memory_budget_bytes / tree_max_chunk_tokens train through d loss / d logprob only, and the MoE "
@@ -218,6 +235,49 @@ class TreeGRPOTrainer(GRPOTrainer):
             aux_losses.append(aux)
         aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None  # per slice, as GRPOTrainer
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, aux_loss
+
+    def _tree_sampling(self) -> dict:
+        """speculative_sample's arguments from GRPOTrainer's generation config; what it cannot draw exactly
+        is refused by name."""
+        g = self.generation_config
+        refused = {
+            "min_p": g.min_p,
+            "repetition_penalty": None if g.repetition_penalty in (None, 1.0) else g.repetition_penalty,
+            "num_beams": None if g.num_beams in (None, 1) else g.num_beams,
+            "suppress_tokens": g.suppress_tokens or None,
+            "no_repeat_ngram_size": g.no_repeat_ngram_size or None,
+        }
+        refused = {name: value for name, value in refused.items() if value is not None}
+        if refused:
+            raise ValueError(
+                f"tree_generation draws with temperature, top_k and top_p only; the generation config sets {refused}"
+            )
+        greedy = not g.do_sample
+        return dict(
+            temperature=0.0 if greedy else g.temperature,
+            top_k=None if greedy or not g.top_k else g.top_k,
+            top_p=None if greedy or g.top_p in (None, 1.0) else g.top_p,
+            eos_token_id=list(self.eos_token_ids),
+        )
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._rollout_cache is None or images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        model = self.accelerator.unwrap_model(self.model)
+        with self.accelerator.autocast():
+            out = speculative_sample(
+                model, [list(p) for p in prompt_ids], self.max_completion_length, cache=self._rollout_cache,
+                **self._sampling,
+            )  # fmt: skip
+        mode = "train" if self.model.training else "eval"
+        stats = out.stats
+        self._metrics[mode]["tree/accepted_draft_tokens"].append(stats.get("accepted_tokens", 0))
+        self._metrics[mode]["tree/tokens_per_verify_step"].append(
+            stats.get("generated_tokens", 0) / max(1, stats.get("verify_steps", 0))
+        )
+        return out.completions, None
 
     def _compute_loss(self, model, inputs):
         chunking = self._chunking

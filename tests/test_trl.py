@@ -410,3 +410,43 @@ def test_moe_router_aux_loss_as_grpo_trainer(tmp_path):
     assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
     with pytest.raises(ValueError, match="router's auxiliary loss"):
         train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=8, **options)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_generation_from_the_tree_cache(sampled, tmp_path, monkeypatch):
+    """tree_generation: completions drawn by dta_fast.speculative_sample, earlier completions of each prompt
+    drafting for it. Greedy, they are transformers' generate's, step by step; sampled, the run trains and
+    its cache fills and drafts. (That the draws follow the plain sampling distribution is
+    tests/test_rollout.py's test_distribution_is_exact.)"""
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    completions = {}
+
+    def recording(cls):
+        original = cls._generate_single_turn
+
+        def generate(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            completions.setdefault(cls.__name__, []).append(out[0])
+            return out
+
+        monkeypatch.setattr(cls, "_generate_single_turn", generate)
+
+    recording(GRPOTrainer)
+    recording(TreeGRPOTrainer)
+    options = dict(max_completion_length=8, beta=0.0)
+    if not sampled:
+        options["generation_kwargs"] = {"do_sample": False}
+        train(GRPOTrainer, GRPOConfig, tmp_path / "base", path, **options)
+    logs, _, updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path, tree_generation=True, **options)
+    tree_completions = completions["TreeGRPOTrainer"]
+    assert len(tree_completions) == 3 and all(len(c) == 8 for c in tree_completions)  # 2 prompts x 4
+    assert all(0 < len(c) <= 8 and max(c) < 64 for step in tree_completions for c in step)
+    if not sampled:
+        assert tree_completions == completions["GRPOTrainer"]
+    else:
+        assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
+        assert torch.cat([u.flatten() for u in updates.values()]).norm() > 0
+        assert any(entry.get("tree/accepted_draft_tokens", 0) > 0 for entry in logs)
