@@ -166,3 +166,23 @@ def test_samplers_past_the_window(family):
     for i, (p, c) in enumerate(zip(prompts, fast.completions)):
         torch.testing.assert_close(fast.logprobs[i][: len(c)].double(), scored[i, len(p) - 1 : len(p) - 1 + len(c)],
                                    rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+def test_an_attention_keyword_the_tree_does_not_compute_is_refused():
+    """A layer that passes its attention function a keyword the tree does not compute (a chunked-attention
+    size, a non-causal call) is refused by name, never run as if it were plain attention."""
+    from transformers import AttentionInterface
+
+    from dta_ref.hf import route_attention
+
+    route_attention("eager")
+    routed = AttentionInterface._global_mapping["eager"]
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.randn(1, 2, 3, 4)
+    attend = lambda *args, **kwargs: q  # noqa: E731
+    with pytest.raises(TypeError, match="passes attention_chunk_size to its attention function"):
+        routed(module, q, q, q, None, dta_attend=attend, attention_chunk_size=4)
+    with pytest.raises(TypeError, match="is_causal=False"):
+        routed(module, q, q, q, None, dta_attend=attend, is_causal=False)
+    assert routed(module, q, q, q, None, dta_attend=attend, position_ids=None, use_cache=False)[0].shape == (1, 3, 2, 4)
