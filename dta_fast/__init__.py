@@ -14,6 +14,7 @@ from .logprobs import gather_logprobs_chunked, tree_logprobs, tree_logprobs_and_
 from .partition import CostModel, Partition, partition
 from .rollout import sample, speculative_sample
 from .tree import build_tree
+from .values import tree_values
 
 __all__ = [
     "__version__",
@@ -24,6 +25,7 @@ __all__ = [
     "validate_subtree_end",
     "tree_logprobs",
     "tree_logprobs_and_entropy",
+    "tree_values",
     "gather_logprobs_chunked",
     "tree_backward",
     "chunk_tokens_for_budget",

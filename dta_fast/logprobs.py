@@ -346,8 +346,8 @@ def gather_logprobs_chunked(
 
 
 def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto", router_aux_loss: bool = False):
-    """The last hidden states [T, hidden] of the packed forest from one forward, the model's head, the tree on
-    the model's device, and the router auxiliary loss over the rollouts (or None)."""
+    """The last hidden states [T, hidden] of the packed forest from one forward, the tree on the model's
+    device, and the router auxiliary loss over the rollouts (or None)."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
@@ -360,14 +360,15 @@ def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto", router_
         tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss
     )
     if not router_aux_loss:
-        return out[0], adapter.head, tree, None
-    return out[0][0], adapter.head, tree, adapter.router_aux_loss(out[1], tree.multiplicity)
+        return out[0], tree, None
+    return out[0][0], tree, adapter.router_aux_loss(out[1], tree.multiplicity)
 
 
 def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, attention_impl: str = "auto"):
     """Logprobs of every rollout [N, Lmax-1] from one packed forward (the tree kernel on CUDA)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree, _ = packed_hidden(model, tree, attention_impl)
+    head = adapt(model).head  # before the forward: a value model has none
+    hidden, tree, _ = packed_hidden(model, tree, attention_impl)
     return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, mask=mask)
 
 
@@ -378,7 +379,8 @@ def tree_logprobs_and_entropy(
     """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward;
     ``router_aux_loss`` as ``dta_ref.tree_logprobs_and_entropy`` says."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree, aux = packed_hidden(model, tree, attention_impl, check_flag("router_aux_loss", router_aux_loss))
+    head = adapt(model).head
+    hidden, tree, aux = packed_hidden(model, tree, attention_impl, check_flag("router_aux_loss", router_aux_loss))
     out = gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True, mask=mask)
     out.aux_loss = aux
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dta_ref.adapter import adapt
 from dta_ref.checks import check_temperature
 from dta_ref.losses import TokenLoss
 from dta_ref.padded import PaddedLayout
@@ -38,7 +39,8 @@ def block_logprobs_and_entropy(
         )
     tree = build_tree(layout.sequences(input_ids))
     wanted = layout.to_tree(block, first_column, fill=False)
-    hidden, head, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss)
+    head = adapt(model).head
+    hidden, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss)
     out = gather_logprobs_chunked(
         hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head
     )

@@ -29,11 +29,13 @@ from .losses import (
     policy_gradient_loss,
     sft_loss,
     token_weights,
+    value_loss,
 )
 from .model import Decoder, DecoderConfig
 from .padded import PaddedLayout
 from .rollout import Rollout, RolloutCache, sample, speculative_sample
 from .tree import PrefixTree
+from .values import flat_values, tree_values
 
 __version__ = "0.1.0"
 
@@ -53,12 +55,15 @@ __all__ = [
     "flat_logprobs",
     "tree_logprobs",
     "tree_logprobs_and_entropy",
+    "tree_values",
+    "flat_values",
     "LogprobsAndEntropy",
     "gather_tree_logprobs",
     "next_token_targets",
     "policy_gradient_loss",
     "clipped_policy_gradient_terms",
     "sft_loss",
+    "value_loss",
     "token_weights",
     "TokenLoss",
     "PolicyGradientLoss",

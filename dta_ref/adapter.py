@@ -28,7 +28,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .hf import check_hf_model, decoder_of, hf_hidden_states, is_hf_model, layers_of, logit_softcap_of, router_aux_loss
+from .hf import (
+    check_hf_model,
+    decoder_of,
+    hf_hidden_states,
+    is_hf_model,
+    layers_of,
+    logit_softcap_of,
+    router_aux_loss,
+    value_head_of,
+)
 from .model import Decoder, causal_attend
 
 
@@ -133,13 +142,24 @@ class ModelAdapter:
         if not self.is_hf:
             return self.core.lm_head
         head, cap = self.core.get_output_embeddings(), logit_softcap_of(self.core)
+        if head is None:
+            raise TypeError(
+                f"{type(self.core).__name__} is a value model (a one-output head): it has values, not logprobs; "
+                "score it with tree_values"
+            )
         return head if cap is None else SoftcappedHead(head, cap)
+
+    @property
+    def value_head(self) -> nn.Module | None:
+        """A value model's one-output head (a token classifier of one label), None for a causal LM."""
+        return value_head_of(self.core) if self.is_hf else None
 
     def forward_parameters(self) -> list[nn.Parameter]:
         """The parameters a forward runs, each once: the trunk's and the head's. A module attached beside
         them (a value head, say) is not run, and its parameters get no gradient from a loss on logprobs."""
         modules = [decoder_of(self.core)] if self.is_hf else [self.core.embed, self.core.layers, self.core.norm]
-        unique = {id(p): p for m in modules + [self.head] for p in m.parameters()}
+        head = self.value_head if self.value_head is not None else self.head
+        unique = {id(p): p for m in modules + [head] for p in m.parameters()}
         return list(unique.values())
 
     @functools.cached_property

@@ -41,13 +41,14 @@ def is_hf_model(model) -> bool:
 
 
 def check_hf_model(model) -> None:
-    """A causal LM with an LM head whose layers the tree computes exactly, or a clear error."""
+    """A causal LM with an LM head, or a value model (a token classifier of one label: a PPO critic), whose
+    layers the tree computes exactly; or a clear error."""
     name = type(model).__name__
     head = model.get_output_embeddings()
-    if head is None or decoder_of(model) is None:
+    if (head is None and value_head_of(model) is None) or decoder_of(model) is None:
         raise TypeError(
-            f"{name} has no language-model head: pass the causal LM (e.g. Qwen2ForCausalLM), not a base model or "
-            "a classification model"
+            f"{name} has no language-model head nor a one-output value head: pass the causal LM (e.g. "
+            "Qwen2ForCausalLM) or a token classifier with num_labels=1 (a critic), not a base model"
         )
     layers_of(model)
     cfg = model.config
@@ -81,6 +82,16 @@ def layers_of(model):
     if len(lists) != 1:
         raise TypeError(f"{type(model).__name__}'s trunk has no single list of its {count} decoder layers")
     return lists[0]
+
+
+def value_head_of(model):
+    """A token classifier's one-output head (``score``, after its dropout), as its own forward applies it:
+    a PPO critic's value head; None for any other model."""
+    score = getattr(model, "score", None)
+    if model.get_output_embeddings() is not None or not isinstance(score, torch.nn.Linear) or score.out_features != 1:
+        return None
+    dropout = getattr(model, "dropout", None)
+    return score if not isinstance(dropout, torch.nn.Module) else torch.nn.Sequential(dropout, score)
 
 
 def logit_softcap_of(model) -> float | None:

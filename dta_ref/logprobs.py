@@ -107,9 +107,9 @@ def gather_tree_logprobs(
     return LogprobsAndEntropy(out, entropy_of(logp)[rows].masked_fill(~valid, 0.0))
 
 
-def _packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False):
-    """The packed forest's final hidden states [T, hidden], the head, the tree on the model's device, and
-    the router auxiliary loss over the rollouts (each packed token weighted by its multiplicity) or None."""
+def packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False):
+    """The packed forest's final hidden states [T, hidden], the tree on the model's device, and the router
+    auxiliary loss over the rollouts (each packed token weighted by its multiplicity) or None."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
@@ -122,8 +122,8 @@ def _packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False):
         tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss
     )
     if not router_aux_loss:
-        return out[0], adapter.head, tree, None
-    return out[0][0], adapter.head, tree, adapter.router_aux_loss(out[1], tree.multiplicity)
+        return out[0], tree, None
+    return out[0][0], tree, adapter.router_aux_loss(out[1], tree.multiplicity)
 
 
 def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> torch.Tensor:
@@ -135,7 +135,8 @@ def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=Non
     scores responses only never projects its prompt rows.
     """
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree, _ = _packed_hidden(model, tree)
+    head = adapt(model).head  # before the forward: a value model has none
+    hidden, tree, _ = packed_hidden(model, tree)
     return gather_tree_logprobs(hidden, head, tree, temperature, mask=mask)
 
 
@@ -146,7 +147,8 @@ def tree_logprobs_and_entropy(
     ``router_aux_loss``: also a MoE model's load-balancing loss, equal to that of the padded batch of the
     tree's rollouts (each packed token counted once per rollout that holds it)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
-    hidden, head, tree, aux = _packed_hidden(model, tree, check_flag("router_aux_loss", router_aux_loss))
+    head = adapt(model).head
+    hidden, tree, aux = packed_hidden(model, tree, check_flag("router_aux_loss", router_aux_loss))
     out = gather_tree_logprobs(hidden, head, tree, temperature, entropy=True, mask=mask)
     out.aux_loss = aux
     return out

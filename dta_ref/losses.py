@@ -174,6 +174,29 @@ def policy_gradient_loss(
     return (terms * weights).sum()
 
 
+def value_loss(values, old_values, returns, loss_mask, clip: float | None = None, normalization: str = "token_mean"):
+    """PPO's value loss over the masked tokens: ``0.5 (v - R)^2``, or with ``clip`` the clipped form
+    ``0.5 max((v - R)^2, (v_old + clip(v - v_old, -clip, clip) - R)^2)`` (values, old_values, returns,
+    loss_mask: [N, L]; old values and returns are constants of the loss)."""
+    _check_padded("values", values)
+    _check_floating("values", values)
+    if values.dim() != 2:
+        raise ValueError(f"values must be [N, L], got shape {tuple(values.shape)}")
+    for name, x in (("old_values", old_values), ("returns", returns), ("loss_mask", loss_mask)):
+        _check_padded(name, x, values.shape)
+    mask = _check_mask(loss_mask)
+    for name, x in (("old_values", old_values), ("returns", returns)):
+        _check_finite_where(name, x, mask)
+    old_values, returns = (torch.where(mask, x.detach(), 0) for x in (old_values, returns))
+    values = torch.where(mask, values, 0)
+    terms = (values - returns) ** 2
+    if clip is not None:
+        clip = _check_clip("clip", clip)
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        terms = torch.maximum(terms, (clipped - returns) ** 2)
+    return 0.5 * (terms * token_weights(mask, normalization).to(values.dtype)).sum()
+
+
 def sft_loss(logprobs, loss_mask, normalization: str = "token_mean"):
     """Negative log-likelihood of the masked tokens."""
     _check_padded("logprobs", logprobs)
