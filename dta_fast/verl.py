@@ -8,7 +8,9 @@ under ``logits / temperature`` and optionally the entropy, both [B, R], zero
 where the response is padding. :func:`verl_log_probs` returns the same from
 one packed forward over the prefix tree of the micro-batch's rows (OpenRLHF's
 actor lays its batch out the same way: ``sequences`` with an
-``attention_mask`` and the action block at the end).
+``attention_mask`` and the action block at the end). verl's PPO critic scores
+the same layout: :func:`verl_values` gives its values [B, R], that of the
+state before each response token.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from dta_ref.padded import PaddedLayout
 
 from .trainer_common import block_logprobs_and_entropy
+from .tree import build_tree
+from .values import tree_values
 
 
 @dataclass
@@ -47,6 +51,14 @@ def verl_log_probs(
     every token its depth, which is that count. Multimodal 3-D positions
     (mrope) are refused.
     """
+    _check_micro_batch(input_ids, attention_mask, position_ids, responses)
+    first_column = input_ids.shape[1] - responses.shape[1]
+    log_probs, entropy, *_ = block_logprobs_and_entropy(model, input_ids, attention_mask, first_column, temperature)
+    return ResponseLogProbs(log_probs, entropy if calculate_entropy else None)
+
+
+def _check_micro_batch(input_ids, attention_mask, position_ids, responses) -> PaddedLayout:
+    """The rows' layout, once the micro-batch is checked to be verl's: text positions, responses the tail."""
     for name, x in (("input_ids", input_ids), ("responses", responses)):
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor [batch, length], got {getattr(x, 'shape', x)}")
@@ -69,7 +81,29 @@ def verl_log_probs(
     real = attention_mask.bool().to(position_ids.device)
     if not torch.equal(position_ids[real], depth[real]):
         raise ValueError("position_ids must count the tokens of each row from 0 (verl's text positions)")
-    log_probs, entropy, *_ = block_logprobs_and_entropy(
-        model, input_ids, attention_mask, width - response_length, temperature
-    )
-    return ResponseLogProbs(log_probs, entropy if calculate_entropy else None)
+    return layout
+
+
+def verl_values(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+    responses: torch.Tensor, *, value_head=None, attention_impl: str = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """verl's critic values [B, R] for a micro-batch, through one prefix tree.
+
+    Column c is the value of the state before response token c (the critic's
+    output at the token before it, as verl's ``values[:, -R - 1 : -1]``), 0
+    where the response is padding. The critic is a token classifier with
+    ``num_labels=1``, or a causal LM with ``value_head`` beside it (see
+    :func:`dta_ref.tree_values`). Same checks as :func:`verl_log_probs`.
+    """
+    layout = _check_micro_batch(input_ids, attention_mask, position_ids, responses)
+    first_column = input_ids.shape[1] - responses.shape[1]
+    no_prompt = (layout.start >= first_column) & (layout.start + layout.length > first_column)
+    if no_prompt.any():
+        raise ValueError(
+            f"row {int(no_prompt.nonzero()[0])} has no prompt token: no state precedes its first response token"
+        )
+    tree = build_tree(layout.sequences(input_ids))
+    values = tree_values(model, tree, value_head=value_head, attention_impl=attention_impl)
+    # entry [i, t] of the tree's [B, Lmax-1] block layout belongs to token t+1: the value of the state before it
+    return layout.from_tree(values[:, :-1], first_column, responses.shape[1])

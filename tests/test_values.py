@@ -25,6 +25,7 @@ def token_classifier(family: str = "qwen2-sliding", dtype=torch.float64):
     lm = tiny_family_model(family, dtype)
     config = lm.config
     config.num_labels = 1
+    config.classifier_dropout = 0.0  # as verl builds its critic: in train mode a dropout masks shared tokens once
     torch.manual_seed(1)
     return transformers.AutoModelForTokenClassification.from_config(config).to(dtype).eval()
 
@@ -103,3 +104,20 @@ def test_value_loss_by_hand():
     assert dta_ref.value_loss(v, old, ret, mask, clip=0.2).item() == pytest.approx(0.5 * (1 + 5.29) / 2)
     with pytest.raises(ValueError, match="returns is not finite"):
         dta_ref.value_loss(v, old, ret.nan_to_num(posinf=1.0).index_fill(1, torch.tensor([0]), float("nan")), mask)
+
+
+def test_a_reward_model_scores_every_prefix():
+    """A sequence classifier with one output (a reward model, the usual start of a critic) has the same
+    one-output ``score`` head: its tree value at a rollout's last token is the model's own score of that
+    rollout, and at token t the score of the rollout cut after t."""
+    import transformers
+
+    config = tiny_family_model("llama").config
+    config.num_labels, config.pad_token_id = 1, 0
+    torch.manual_seed(3)
+    reward_model = transformers.AutoModelForSequenceClassification.from_config(config).double().eval()
+    values = dta_fast.tree_values(reward_model, TREE)
+    for i, seq in enumerate(SEQUENCES[:3]):
+        for cut in (len(seq), len(seq) - 2):
+            own = reward_model(torch.tensor([seq[:cut]])).logits[0, 0]
+            torch.testing.assert_close(values[i, cut - 1], own, rtol=1e-5, atol=1e-6)

@@ -126,3 +126,59 @@ def test_verl_log_probs_under_autocast(family):
     assert 0 < own_error < 0.1 and error <= 2 * own_error, (float(own_error), float(error))
     (grad,) = torch.autograd.grad(out.sum(), model.model.embed_tokens.weight)  # the backward runs too
     assert grad.dtype == torch.float32 and grad.isfinite().all()
+
+
+def verl_critic_reference(critic, input_ids, attention_mask, position_ids, responses, value_head=None):
+    """verl's critic without padding removal: one padded forward, the output before each response token."""
+    R = responses.shape[1]
+    if value_head is None:
+        values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    else:
+        out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     output_hidden_states=True)  # fmt: skip
+        values = value_head(out.hidden_states[-1])
+    return values[:, -R - 1 : -1, 0] * attention_mask[:, -R:]
+
+
+@pytest.mark.parametrize("critic", ["token-classifier", "lm+value-head"])
+def test_verl_values_equal_verls_padded_critic(critic):
+    """Values [B, R] and the gradient of a value loss: those of verl's critic on the padded micro-batch."""
+    from dta_fast.verl import verl_values
+    from tests.test_values import token_classifier
+
+    head = None
+    if critic == "token-classifier":
+        model = token_classifier("qwen2-sliding", torch.float32)
+    else:
+        model = tiny_hf_model("llama", torch.float32, "sdpa", seed=2)
+        head = torch.nn.Linear(model.config.hidden_size, 1)
+    model = model.to(DEVICE).train()
+    head = head and head.to(DEVICE)
+    batch = tuple(x.to(DEVICE) for x in verl_micro_batch(PROMPTS, RESPONSES))
+    response_mask = batch[1][:, -batch[3].shape[1] :].bool()
+    got = verl_values(model, *batch, value_head=head)
+    want = verl_critic_reference(model, *batch, value_head=head)
+    assert got.shape == batch[3].shape and (got[~response_mask] == 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    returns = torch.randn(got.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    params = list(model.parameters()) + ([] if head is None else list(head.parameters()))
+    loss = [((v - returns) ** 2 * response_mask).sum() for v in (got, want)]
+    grads = [torch.autograd.grad(x, params, allow_unused=True) for x in loss]  # an LM's own head is unused
+    got_g, want_g = (torch.cat([g.flatten() for g in gs if g is not None]) for gs in grads)
+    assert [g is None for g in grads[0]] == [g is None for g in grads[1]]
+    assert want_g.norm() > 0 and float((got_g - want_g).norm() / want_g.norm()) < 1e-5
+
+
+def test_verl_values_checks_the_micro_batch():
+    """The critic's micro-batch gets the actor's checks, and a row with no state before its response is refused."""
+    from dta_fast.verl import verl_values
+    from tests.test_values import token_classifier
+
+    critic = token_classifier("qwen2-sliding", torch.float32)
+    batch = verl_micro_batch(PROMPTS, RESPONSES)
+    with pytest.raises(ValueError, match="count the tokens of each row"):
+        verl_values(critic, batch[0], batch[1], batch[2] + 1, batch[3])
+    with pytest.raises(ValueError, match="row 5 has no prompt token"):
+        verl_values(critic, *_without_a_prompt(batch))
+    with pytest.raises(TypeError, match="no value head"):
+        verl_values(tiny_hf_model("qwen2", torch.float32, "sdpa"), *batch)
