@@ -384,6 +384,14 @@ def _eagerly(forward, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
+def call_as_forward(module: nn.Module, fn):
+    """``fn()`` run as the forward of ``module``, through the module's own call, so the hooks of that call
+    run around it: FSDP2's gather of the sharded parameters before, and the reduction of their gradients
+    in the backward."""
+    with _forward_replaced(module, fn):
+        return module()
+
+
 @contextmanager
 def _forward_replaced(module: nn.Module, forward):
     """Make ``module(...)`` call ``forward`` for the duration (an instance attribute shadows the method;

@@ -21,9 +21,9 @@ import torch
 
 from dta_ref.padded import PaddedLayout
 
-from .trainer_common import block_logprobs_and_entropy
-from .tree import build_tree
-from .values import tree_values
+from ..trainer_common import block_logprobs_and_entropy
+from ..tree import build_tree
+from ..values import tree_values
 
 
 @dataclass

@@ -1,0 +1,213 @@
+"""verl's FSDP training engines with each micro-batch scored as one prefix tree.
+
+verl (0.9) runs its actor, reference policy and critic on a training engine:
+``forward_step`` turns a micro-batch of rollouts (token ids without padding,
+one jagged row per rollout) into per-token outputs, log-probabilities and
+entropies for the policy or values for the critic, and hands them to the
+loss. The engines here are verl's FSDP engines with ``forward_step``
+replaced: the micro-batch's rollouts become one prefix tree, every shared
+prompt and turn runs once in the forward and once in the backward, and the
+outputs are laid out as verl's own (0 where verl's loss never reads). The
+loss, its aggregation, the micro-batching, the backward, gradient clipping
+and the optimizer step stay verl's.
+
+Importing this module registers the engines in place of verl's FSDP2 ones
+(and refuses FSDP1 by name), which is what verl's ``external_lib`` setting
+does in every worker::
+
+    actor_rollout_ref.model.external_lib=dta_fast.verl.engine
+    critic.model.external_lib=dta_fast.verl.engine
+
+What the tree cannot compute exactly is refused by name: Ulysses sequence
+parallelism, multimodal inputs and 3-D (mrope) positions, top-k
+distillation, the sum of squared probabilities, routing replay, positions
+that do not count each rollout's tokens from 0, and temperatures that differ
+between rollouts of one micro-batch.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+from verl.workers.engine.utils import detach_tree
+
+from dta_ref.adapter import adapt, call_as_forward
+from dta_ref.values import gather_tree_values, value_head_of
+
+from ..logprobs import gather_logprobs_chunked, packed_hidden
+from ..tree import build_tree
+
+# flags of a micro-batch naming outputs or inputs the tree does not compute
+_REFUSED_FLAGS = {
+    "distillation_use_topk": "top-k distillation",
+    "calculate_sum_pi_squared": "the sum of squared probabilities (calculate_sum_pi_squared)",
+    "enable_routing_replay": "routing replay (recorded expert choices follow the flat token order)",
+}
+
+
+class _TreeForwardStep:
+    """What both tree engines' ``forward_step`` share with verl's."""
+
+    def _autocast(self):
+        # as verl's forward_step: autocast to the FSDP parameter dtype, none at float32
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        return nullcontext() if dtype == torch.float32 else torch.autocast(get_device_name(), dtype=dtype)
+
+    def _loss(self, model_output, micro_batch, loss_function, forward_only):
+        """verl's tail of ``forward_step``: its loss on the outputs, and what it reports."""
+        if loss_function is not None:
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
+            )
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+            loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+
+
+class TreeFSDPEngineWithLMHead(_TreeForwardStep, FSDPEngineWithLMHead):
+    """verl's FSDP policy engine; each micro-batch's log-probabilities and entropies from one prefix tree."""
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        micro_batch = micro_batch.to(get_device_id())
+        rollouts = _Rollouts.of(micro_batch, self)
+        temperature = _one_temperature(micro_batch["temperature"])
+        entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+        model, head = self.module, adapt(self.module).head  # FSDP2 shards the model in place
+
+        def tree_forward():
+            hidden, tree, _ = packed_hidden(model, rollouts.tree)
+            return gather_logprobs_chunked(
+                hidden, head, tree, temperature=temperature, entropy=entropy, mask=rollouts.scored
+            )
+
+        with self._autocast():
+            out = call_as_forward(self.module, tree_forward)
+            # [N, Lmax-1] entry t scores token t+1, as verl's entry t; verl's last entry is never read
+            model_output = {"log_probs": rollouts.jagged(out.logprobs if entropy else out, pad=1)}
+            if entropy:
+                model_output["entropy"] = rollouts.jagged(out.entropy, pad=1)
+            return self._loss(model_output, micro_batch, loss_function, forward_only)
+
+
+class TreeFSDPEngineWithValueHead(_TreeForwardStep, FSDPEngineWithValueHead):
+    """verl's FSDP critic engine; each micro-batch's values from one prefix tree."""
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        micro_batch = micro_batch.to(get_device_id())
+        rollouts = _Rollouts.of(micro_batch, self)
+        model = self.module
+        head = value_head_of(model)
+
+        def tree_forward():
+            hidden, tree, _ = packed_hidden(model, rollouts.tree)
+            return gather_tree_values(hidden, head, tree)
+
+        with self._autocast():
+            values = call_as_forward(self.module, tree_forward)  # [N, Lmax]: entry t is token t's value
+            return self._loss({"values": rollouts.jagged(values)}, micro_batch, loss_function, forward_only)
+
+
+class _Rollouts:
+    """A micro-batch's rollouts: their prefix tree, the (rollout, step) entries its loss reads, and the
+    way back to verl's jagged layout."""
+
+    def __init__(self, tree, lengths, offsets, scored):
+        self.tree, self.lengths, self.offsets, self.scored = tree, lengths, offsets, scored
+
+    @classmethod
+    def of(cls, micro_batch, engine) -> _Rollouts:
+        _refuse_what_the_tree_cannot_compute(micro_batch, engine)
+        input_ids, position_ids = micro_batch["input_ids"], micro_batch["position_ids"]
+        if not getattr(input_ids, "is_nested", False):
+            raise ValueError("the tree engines read verl's no-padding micro-batches: input_ids must be jagged")
+        offsets = input_ids.offsets()
+        lengths = offsets.diff()
+        if position_ids.dim() != 2:
+            raise ValueError(
+                f"position_ids must be [batch, length]: multimodal 3-D positions (mrope) are not supported by "
+                f"the tree engines, got {position_ids.dim()} dimensions"
+            )
+        count = torch.arange(int(offsets[-1]), device=offsets.device) - torch.repeat_interleave(offsets[:-1], lengths)
+        if not torch.equal(position_ids.values(), count.to(position_ids.device)):
+            raise ValueError("position_ids must count the tokens of each rollout from 0 (verl's text positions)")
+        tree = build_tree(list(input_ids.unbind()))
+        return cls(tree, lengths, offsets, _response_steps(micro_batch, lengths, tree.max_length - 1))
+
+    def jagged(self, values: torch.Tensor, pad: int = 0) -> torch.Tensor:
+        """Per-(rollout, step) ``values`` [N, W] as verl's jagged [N, length_i], ``pad`` zero columns added."""
+        values = torch.nn.functional.pad(values, (0, pad))
+        lengths = self.lengths.to(values.device)
+        keep = torch.arange(values.shape[1], device=values.device) < lengths[:, None]
+        return torch.nested.nested_tensor_from_jagged(values[keep], self.offsets.to(values.device))
+
+
+def _response_steps(micro_batch, lengths, width: int) -> torch.Tensor | None:
+    """[N, width] True at the steps that predict a response token (what verl's losses read), or None (all
+    steps) when the micro-batch does not say where its responses start."""
+    if "prompts" not in micro_batch.keys():
+        return None
+    prompts = micro_batch["prompts"]
+    if getattr(prompts, "is_nested", False):
+        prompt_lengths = prompts.offsets().diff()
+    else:
+        prompt_lengths = micro_batch["attention_mask"][:, : prompts.shape[1]].sum(1)
+    prompt_lengths = prompt_lengths.to(lengths.device)
+    if (prompt_lengths < 1).any():
+        row = int((prompt_lengths < 1).nonzero()[0])
+        raise ValueError(f"rollout {row} has no prompt token: its first response token has no context")
+    steps = torch.arange(width, device=lengths.device)
+    return (steps >= prompt_lengths[:, None] - 1) & (steps < lengths[:, None] - 1)
+
+
+def _refuse_what_the_tree_cannot_compute(micro_batch, engine) -> None:
+    if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
+        raise ValueError("Ulysses sequence parallelism is not supported by the tree engines (set it to 1)")
+    for flag, what in _REFUSED_FLAGS.items():
+        if tu.get_non_tensor_data(data=micro_batch, key=flag, default=False):
+            raise ValueError(f"the tree engines do not compute {what}")
+    if len(micro_batch.get("multi_modal_inputs", [])):
+        raise ValueError("multimodal inputs are not supported by the tree engines (text models only)")
+
+
+def _one_temperature(temperature) -> float:
+    """The micro-batch's temperature: one number, or a per-rollout tensor holding one value."""
+    if isinstance(temperature, torch.Tensor):
+        values = temperature.flatten().unique()
+        if values.numel() != 1:
+            raise ValueError(f"the tree engines score a micro-batch at one temperature, got {sorted(values.tolist())}")
+        return float(values[0])
+    return float(temperature)
+
+
+class _FSDP1Refused:
+    """In place of verl's FSDP1 engines, which the tree engines do not run on."""
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError(
+            "dta's tree engines run on FSDP2: set strategy=fsdp2 for the actor, the reference policy and the "
+            "critic (verl's FSDP1 strategy, 'fsdp', is not supported)"
+        )
+
+
+def register() -> None:
+    """The tree engines in place of verl's FSDP2 engines, for policies and critics, wherever verl registered
+    those (importing this module does it); verl's FSDP1 engines are refused by name."""
+    engines = EngineRegistry._engines  # verl's registry asserts a key is new; replacing means writing it
+    for model_type, tree_engine, base in (
+        ("language_model", TreeFSDPEngineWithLMHead, FSDPEngineWithLMHead),
+        ("value_model", TreeFSDPEngineWithValueHead, FSDPEngineWithValueHead),
+    ):
+        for backend, replacement in (("fsdp2", tree_engine), ("fsdp", _FSDP1Refused)):
+            by_device = engines.get(model_type, {}).get(backend, {})
+            for device, engine in list(by_device.items()):
+                if engine is base:
+                    by_device[device] = replacement
+
+
+register()
