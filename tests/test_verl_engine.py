@@ -155,7 +155,7 @@ def registered(model_type: str, engine):
 
 
 def worker(path, model_type: str, tree: bool, *, remove_padding=True, dynamic_bsz=False, micro_batch=GROUP,
-           checkpointing=False, lora_rank=0, loss_config=None, param_dtype="fp32"):  # fmt: skip
+           checkpointing=False, lora_rank=0, loss_config=None, param_dtype="fp32", max_tokens=24):  # fmt: skip
     """verl's TrainingWorker on ``path`` with verl's FSDP2 engine or the tree engine, SGD, computing in
     ``param_dtype`` (float32 unless asked)."""
     from functools import partial
@@ -172,7 +172,7 @@ def worker(path, model_type: str, tree: bool, *, remove_padding=True, dynamic_bs
     engine = FSDPEngineConfig(
         strategy="fsdp2", model_dtype="fp32", mixed_precision={"param_dtype": param_dtype}, use_torch_compile=False,
         use_dynamic_bsz=dynamic_bsz, micro_batch_size_per_gpu=micro_batch, infer_micro_batch_size_per_gpu=micro_batch,
-        max_token_len_per_gpu=24, infer_max_token_len_per_gpu=24,
+        max_token_len_per_gpu=max_tokens, infer_max_token_len_per_gpu=max_tokens,
     )  # fmt: skip
     optimizer = FSDPOptimizerConfig(lr=0.5, optimizer="SGD", weight_decay=0.0, clip_grad=1e9)
     base = FSDPEngineWithLMHead if model_type == "language_model" else FSDPEngineWithValueHead
@@ -299,11 +299,12 @@ def test_update_policy_equals_verls(checkpoints, loss_agg_mode):
     [
         dict(remove_padding=False),
         dict(dynamic_bsz=True),
+        dict(dynamic_bsz=True, max_tokens=40),
         dict(checkpointing=True),
         dict(lora_rank=4),
         dict(micro_batch=len(RESPONSES)),
     ],
-    ids=["padded", "dynamic-bsz", "gradient-checkpointing", "lora", "one-micro-batch"],
+    ids=["padded", "dynamic-bsz", "dynamic-bsz-whole-groups", "gradient-checkpointing", "lora", "one-micro-batch"],
 )
 def test_update_policy_equals_verls_with_verls_options(checkpoints, options):
     config = actor_config(loss_agg_mode="token-mean")
@@ -316,14 +317,26 @@ def test_update_policy_equals_verls_with_verls_options(checkpoints, options):
     close_parameters(after[True], after[False], start)
 
 
-def test_a_micro_batch_is_one_tree(checkpoints, monkeypatch):
-    """A group in one micro-batch is one tree: its prompt once, and response tokens shared by siblings once."""
+@pytest.mark.parametrize(
+    "options, trees",
+    [
+        (dict(), [10, 17]),
+        (dict(dynamic_bsz=True, max_tokens=40), [10, 17]),
+        (dict(dynamic_bsz=True, max_tokens=24), None),
+    ],
+    ids=["micro-batches-of-a-group", "dynamic-bsz", "dynamic-bsz-groups-too-long"],
+)
+def test_a_group_is_one_tree(checkpoints, monkeypatch, options, trees):
+    """A group is one tree: its prompt once, and response tokens shared by siblings once. Dynamic batching
+    packs by length, cutting groups; the tree engine keeps each group whole where its 35 or 22 (flat)
+    tokens fit a micro-batch, and leaves verl's packing where they do not (still exact)."""
     built, build = [], tree_engines.build_tree
     monkeypatch.setattr(tree_engines, "build_tree", lambda sequences: built.append(build(sequences)) or built[-1])
-    w = worker(checkpoints["policy"], "language_model", True)
+    w = worker(checkpoints["policy"], "language_model", True, **options)
     w.infer_batch(rollout_batch(calculate_entropy=False, compute_loss=False, temperature=1.0))
     # group 0: 35 flat tokens, the prompt's 5 and the trie of its responses' 12; group 1: 22 flat, 3 + 7
-    assert [t.num_tokens for t in built] == [17, 10]
+    got = sorted(t.num_tokens for t in built)
+    assert got == trees if trees else len(got) > 2 and sum(got) > 27
 
 
 # ---------------------------------------------------------------------------------------------- critic

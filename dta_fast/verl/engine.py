@@ -51,7 +51,12 @@ _REFUSED_FLAGS = {
 
 
 class _TreeForwardStep:
-    """What both tree engines' ``forward_step`` share with verl's."""
+    """What both tree engines share: groups kept whole by dynamic batching, and verl's tail of
+    ``forward_step``."""
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        _keep_groups_together(data)
+        return super().forward_backward_batch(data, loss_function, forward_only)
 
     def _autocast(self):
         # as verl's forward_step: autocast to the FSDP parameter dtype, none at float32
@@ -163,6 +168,32 @@ def _response_steps(micro_batch, lengths, width: int) -> torch.Tensor | None:
         raise ValueError(f"rollout {row} has no prompt token: its first response token has no context")
     steps = torch.arange(width, device=lengths.device)
     return (steps >= prompt_lengths[:, None] - 1) & (steps < lengths[:, None] - 1)
+
+
+def _keep_groups_together(data) -> None:
+    """With dynamic batching, verl packs rollouts into micro-batches by length, which cuts a prompt's
+    group (its rollouts, consecutive in verl's batch) over several trees. Where the batch is made of
+    consecutive groups of one size, each within ``max_token_len_per_gpu``, verl's ``force_group_size``
+    keeps each group in one micro-batch (the loss is normalised over the whole mini-batch, so how the
+    rows are batched does not change it)."""
+    dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+    if not dynamic or tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        return
+    if "prompts" not in data.keys() or len(data) < 2:
+        return
+    prompts = data["prompts"]
+    if getattr(prompts, "is_nested", False):
+        prompts = torch.nested.to_padded_tensor(prompts, padding=-1)
+    new_group = torch.ones(len(data), dtype=torch.bool)
+    new_group[1:] = (prompts[1:] != prompts[:-1]).any(-1).cpu()
+    starts = new_group.nonzero()[:, 0]
+    sizes = torch.diff(torch.cat([starts, torch.tensor([len(data)])]))
+    if not bool((sizes == sizes[0]).all()) or int(sizes[0]) < 2:
+        return
+    # verl refuses a forced group of more (flat) tokens than a micro-batch may hold: then groups are cut
+    group_tokens = data["input_ids"].offsets().diff().view(-1, int(sizes[0])).sum(1)
+    if int(group_tokens.max()) <= tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=0):
+        tu.assign_non_tensor(data, force_group_size=int(sizes[0]))
 
 
 def _refuse_what_the_tree_cannot_compute(micro_batch, engine) -> None:
