@@ -32,6 +32,7 @@ from dta_ref.logprobs import (
 from dta_ref.tree import PrefixTree
 
 from .dispatch import tree_attend, uses_kernel
+from .linear_attention import TreeLinearMixing
 
 LOGITS_CHUNK_ELEMENTS = 2**27  # logits per chunk: 512 MiB in float32
 
@@ -357,8 +358,9 @@ def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto", router_
     tree = tree.to(adapter.device)
     attend = tree_attend(tree.subtree_end, tree.num_tokens, kernel, tree.position_ids)  # tree.validate() checked it
     out = adapter.hidden_states(
-        tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss
-    )
+        tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss,
+        linear=TreeLinearMixing(tree.parent),
+    )  # fmt: skip
     if not router_aux_loss:
         return out[0], tree, None
     return out[0][0], tree, adapter.router_aux_loss(out[1], tree.multiplicity)

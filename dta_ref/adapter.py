@@ -262,6 +262,7 @@ class ModelAdapter:
         attend,
         checkpoint_layers: bool = False,
         output_router_logits: bool = False,
+        linear=None,
     ):
         """Final normalised hidden states [B, T, hidden], every attention layer done by ``attend``.
 
@@ -273,6 +274,9 @@ class ModelAdapter:
         itself under non-reentrant activation checkpointing, for this call only.
         ``output_router_logits``: return ``(hidden, router_logits)``, a MoE
         model's router logits per MoE layer (:meth:`router_aux_loss`).
+        ``linear``: the convolution and delta rule of linear-attention layers
+        (``dta_ref.linear_attention``): ``CAUSAL`` when each row is one whole
+        sequence, a tree's mixing for a packed forest; None refuses them.
         """
         # Never traced into a layer the user compiled: attend's state lives outside autograd (the chunked
         # engine's K/V stores, read and written by its backward), which a graph would freeze when traced.
@@ -282,8 +286,8 @@ class ModelAdapter:
         with eagerly, self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):
-                    return self.data_parallel(input_ids, position_ids, attend, output_router_logits)
-            return self._trunk(input_ids, position_ids, attend, output_router_logits)
+                    return self.data_parallel(input_ids, position_ids, attend, output_router_logits, linear)
+            return self._trunk(input_ids, position_ids, attend, output_router_logits, linear)
 
     @contextmanager
     def _checkpointing(self):
@@ -299,9 +303,9 @@ class ModelAdapter:
                     stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, forward)))
             yield
 
-    def _trunk(self, input_ids, position_ids, attend, output_router_logits=False):
+    def _trunk(self, input_ids, position_ids, attend, output_router_logits=False, linear=None):
         if self.is_hf:
-            return hf_hidden_states(self.core, input_ids, position_ids, attend, output_router_logits)
+            return hf_hidden_states(self.core, input_ids, position_ids, attend, output_router_logits, linear)
         if output_router_logits:
             raise TypeError("dta_ref.Decoder has no experts: it has no router logits")
         return self.core.hidden_states(input_ids, position_ids, attend)

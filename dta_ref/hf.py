@@ -28,6 +28,9 @@ import torch
 
 # the layer types of ``config.layer_types`` that are softmax attention, which the tree computes
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# linear-attention layers (Gated DeltaNet) whose modeling file routes its convolution and delta rule
+LINEAR_LAYER_TYPE = "linear_attention"
+LINEAR_FUNCTIONS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "delta_rule"}
 # keywords a layer's attention call may carry that leave its result as the tree computes it
 NEUTRAL_KWARGS = ("position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position")
 
@@ -53,10 +56,12 @@ def check_hf_model(model) -> None:
     layers_of(model)
     cfg = model.config
     for i, layer_type in enumerate(getattr(cfg, "layer_types", None) or ()):
-        if layer_type not in ATTENTION_LAYER_TYPES:
+        if layer_type == LINEAR_LAYER_TYPE:
+            linear_module_of(model, i)
+        elif layer_type not in ATTENTION_LAYER_TYPES:
             raise ValueError(
                 f"layer {i} of {name} is a '{layer_type}' layer: the tree computes softmax attention layers "
-                f"({', '.join(ATTENTION_LAYER_TYPES)})"
+                f"({', '.join(ATTENTION_LAYER_TYPES)}) and Gated DeltaNet linear attention"
             )
     for rope_type in _rope_types(cfg):
         if rope_type in ("dynamic", "longrope"):
@@ -65,6 +70,58 @@ def check_hf_model(model) -> None:
                 "position of each forward call, so a tree (or a chunk of one) would use other frequencies than "
                 "each rollout alone"
             )
+
+
+def linear_layers_of(model) -> list[int]:
+    """The indices of a model's linear-attention layers (``config.layer_types``)."""
+    types = getattr(model.config, "layer_types", None) or ()
+    return [i for i, layer_type in enumerate(types) if layer_type == LINEAR_LAYER_TYPE]
+
+
+def linear_module_of(model, index: int):
+    """Layer ``index``'s linear-attention module, whose modeling file defines the convolution and the
+    delta rule it calls (a Gated DeltaNet: Qwen3-Next, Qwen3.5); else refused by name."""
+    layer = layers_of(model)[index]
+    module = getattr(layer, "linear_attn", None)
+    modeling = sys.modules.get(type(module).__module__) if module is not None else None
+    if modeling is None or not all(callable(getattr(modeling, f, None)) for f in LINEAR_FUNCTIONS):
+        raise ValueError(
+            f"layer {index} of {type(model).__name__} is a linear-attention layer the tree does not compute: it "
+            f"computes Gated DeltaNet layers whose modeling file calls {' and '.join(LINEAR_FUNCTIONS)}"
+        )
+    return module
+
+
+LINEAR_REFUSED = (
+    "linear-attention layers need the recurrent state of each token's path, which this path does not carry: "
+    "they run on whole forests (tree_logprobs, tree_values, tree_backward in one chunk, trainers' packed "
+    "scoring), not on chunks with a cached prefix nor in KV-cached sampling"
+)
+
+
+def _linear_router(original, step: str):
+    def routed(*args, dta_attend=None, **kwargs):
+        if dta_attend is None:
+            return original(*args, **kwargs)
+        linear = getattr(dta_attend, "linear", None)
+        if linear is None:
+            raise ValueError(LINEAR_REFUSED)
+        dta_attend.linear_calls[step] += 1
+        return getattr(linear, step)(original, *args, **kwargs)
+
+    routed.dta_router = True
+    return routed
+
+
+def route_linear_attention(model) -> None:
+    """Install routers over the convolution and the delta rule of each linear-attention modeling file
+    (once): a call carrying ``dta_attend`` goes to its ``linear`` mixing, any other to the original."""
+    for index in linear_layers_of(model):
+        modeling = sys.modules[type(linear_module_of(model, index)).__module__]
+        for name, step in LINEAR_FUNCTIONS.items():
+            current = getattr(modeling, name)
+            if not getattr(current, "dta_router", False):
+                setattr(modeling, name, _linear_router(current, step))
 
 
 def decoder_of(model):
@@ -175,16 +232,20 @@ def route_attention(implementation: str) -> None:
     AttentionInterface.register(implementation, _router(current))
 
 
-def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logits: bool = False):
-    """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend``; every decoder layer
-    must route its attention through it. With ``output_router_logits``, also a MoE model's router logits
-    (one [B * T, experts] tensor per MoE layer)."""
+def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logits: bool = False, linear=None):
+    """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend`` and linear-attention
+    layers' convolution and delta rule by ``linear`` (``dta_ref.linear_attention``; None: such layers are
+    refused); every decoder layer must route through them. With ``output_router_logits``, also a MoE
+    model's router logits (one [B * T, experts] tensor per MoE layer)."""
     route_attention(model.config._attn_implementation)
+    route_linear_attention(model)
     routed = set()
 
     def counted(layer, *args, **kwargs):
         routed.add(layer)
         return attend(layer, *args, **kwargs)
+
+    counted.linear, counted.linear_calls = linear, dict.fromkeys(LINEAR_FUNCTIONS.values(), 0)
 
     decoder = decoder_of(model)
     no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
@@ -193,7 +254,13 @@ def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logit
         input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, dta_attend=counted, use_cache=False,
         **extra,
     )  # fmt: skip
-    missing = sorted(set(range(len(layers_of(model)))) - routed)
+    linear_layers = linear_layers_of(model)
+    missing = sorted(set(range(len(layers_of(model)))) - routed - set(linear_layers))
+    if any(calls != len(linear_layers) for calls in counted.linear_calls.values()):
+        raise TypeError(
+            f"the linear-attention layers of {type(model).__name__} did not each call their convolution and delta "
+            "rule once through their modeling file, so the tree cannot compute them"
+        )
     if missing:
         raise TypeError(
             f"layers {missing} of {type(model).__name__} did not call their attention through transformers' "

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .adapter import adapt
 from .attention import masked_attend
 from .checks import check_flag, check_temperature
+from .linear_attention import TreeLinearMixing
 from .tree import PrefixTree, _as_token_list
 
 
@@ -119,8 +120,9 @@ def packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False):
     index = torch.arange(tree.num_tokens, device=tree.tokens.device)
     attend = masked_attend(tree.subtree_end, index, tree.position_ids)
     out = adapter.hidden_states(
-        tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss
-    )
+        tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss,
+        linear=TreeLinearMixing(tree.parent),
+    )  # fmt: skip
     if not router_aux_loss:
         return out[0], tree, None
     return out[0][0], tree, adapter.router_aux_loss(out[1], tree.multiplicity)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .adapter import adapt
+from .linear_attention import CAUSAL
 from .logprobs import packed_hidden
 from .model import causal_attend
 from .tree import PrefixTree, _as_token_list
@@ -72,7 +73,8 @@ def flat_values(model, sequences, *, value_head=None) -> torch.Tensor:
     for s in seqs:
         ids = torch.tensor(s, device=adapter.device)[None]
         if not adapter.is_hf:
-            hidden = adapter.hidden_states(ids, torch.arange(len(s), device=adapter.device)[None], causal_attend)
+            positions = torch.arange(len(s), device=adapter.device)[None]
+            hidden = adapter.hidden_states(ids, positions, causal_attend, linear=CAUSAL)
             values = token_values(head, hidden[0])
         elif value_head is None:  # a token classifier: its own forward, head included
             values = adapter.core(input_ids=ids).logits[0, :, 0]

@@ -97,6 +97,10 @@ def tiny_hf_model(family: str, dtype: torch.dtype = torch.float64, attn_implemen
 # Every text family the tree runs, tiny, with what each needs from it (docs: README's family table).
 # Windows of 5 positions: the test rollouts are longer. Model types as transformers names them.
 WINDOW = 5
+LINEAR = dict(
+    layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+)  # fmt: skip
 TEXT_FAMILIES = {
     "llama": ("llama", {}),
     "mistral": ("mistral", dict(sliding_window=WINDOW)),  # a window on every layer
@@ -112,6 +116,14 @@ TEXT_FAMILIES = {
     "phi3": ("phi3", dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)),
     "olmo2": ("olmo2", dict(pad_token_id=0, eos_token_id=1)),  # QK-norm over all heads
     "gpt2": ("gpt2", dict(n_inner=64, bos_token_id=0, eos_token_id=1)),  # learned absolute positions
+    # hybrids: a Gated DeltaNet layer (convolution of width 4, recurrent state) before an attention layer
+    "qwen3-next": (
+        "qwen3_next",
+        dict(
+            LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+        ),
+    ),  # fmt: skip
+    "qwen3.5": ("qwen3_5_text", LINEAR),
     "deepseek-v3": (
         "deepseek_v3",
         dict(
@@ -132,7 +144,8 @@ TEXT_FAMILIES = {
 }
 
 
-MOE_FAMILIES = ("gpt-oss", "qwen3-moe", "mixtral", "deepseek-v3")
+MOE_FAMILIES = ("gpt-oss", "qwen3-moe", "mixtral", "deepseek-v3", "qwen3-next")
+LINEAR_FAMILIES = ("qwen3-next", "qwen3.5")  # Gated DeltaNet layers: whole forests only (no chunk prefixes)
 
 
 def tiny_family_model(family: str, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager", seed=0):

@@ -9,7 +9,7 @@ import torch
 import dta_fast
 import dta_ref
 from dta_ref import PrefixTree
-from tests.helpers import TINY_VOCAB, tiny_decoder, tiny_hf_model
+from tests.helpers import TINY_VOCAB, tiny_decoder, tiny_family_model, tiny_hf_model
 
 
 def case(name, fn, exc, match):
@@ -334,17 +334,15 @@ def unsupported_model():
     return torch.nn.Sequential(torch.nn.Embedding(TINY_VOCAB, 8), torch.nn.Linear(8, TINY_VOCAB))
 
 
-def linear_attention_model():
-    """A tiny Qwen3-Next: Gated DeltaNet layers beside attention layers."""
+def short_convolution_model():
+    """A tiny LFM2: short-convolution layers beside attention layers, a layer type the tree does not compute."""
     import transformers
 
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+    cfg = transformers.AutoConfig.for_model(
+        "lfm2", vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
     )  # fmt: skip
-    return transformers.Qwen3NextForCausalLM(cfg).eval()
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def rope_llama(rope):
@@ -393,10 +391,18 @@ LOGPROB_CASES = [
         "unsupported model Sequential",
     ),
     case(
-        "hf-linear-attention-layers",
-        lambda: dta_ref.tree_logprobs(linear_attention_model(), TREE),
+        "hf-short-convolution-layers",
+        lambda: dta_ref.tree_logprobs(short_convolution_model(), TREE),
         ValueError,
-        "layer 0 of Qwen3NextForCausalLM is a 'linear_attention' layer",
+        "layer 0 of Lfm2ForCausalLM is a 'conv' layer",
+    ),
+    case(
+        "hf-linear-attention-in-chunks",
+        lambda: dta_fast.tree_backward(
+            tiny_family_model("qwen3.5"), TREE, dta_ref.SFTLoss(TREE.logprob_mask), max_chunk_tokens=2
+        ),
+        ValueError,
+        "linear-attention layers need the recurrent state",
     ),
     case(
         "hf-dynamic-rope",

@@ -440,11 +440,11 @@ def test_bad_input():
 
 
 def test_a_layer_the_tree_does_not_compute_is_refused_by_name():
-    from tests.test_bad_input import linear_attention_model
+    from tests.test_bad_input import short_convolution_model
 
     tree = PrefixTree.from_sequences([[1, 2, 3]])
-    with pytest.raises(ValueError, match="layer 0 of Qwen3NextForCausalLM is a 'linear_attention' layer"):
-        dta_fast.tree_backward(linear_attention_model(), tree, SFTLoss(tree.logprob_mask))
+    with pytest.raises(ValueError, match="layer 0 of Lfm2ForCausalLM is a 'conv' layer"):
+        dta_fast.tree_backward(short_convolution_model(), tree, SFTLoss(tree.logprob_mask))
 
 
 def _chunks(tree, size, recompute=False):

@@ -14,7 +14,7 @@ import dta_fast
 import dta_ref
 from dta_fast.trainer_common import LinearizedLoss
 from dta_ref import PrefixTree
-from tests.helpers import MOE_FAMILIES, TEXT_FAMILIES, TINY_VOCAB, WINDOW, tiny_family_model
+from tests.helpers import LINEAR_FAMILIES, MOE_FAMILIES, TEXT_FAMILIES, TINY_VOCAB, WINDOW, tiny_family_model
 
 GRPO = dta_ref.grpo_batch(num_groups=2, prompt_len=7, num_responses=3, response_len=6, vocab_size=TINY_VOCAB, seed=1)
 AGENTIC = dta_ref.agentic_batch(
@@ -56,23 +56,29 @@ def assert_same(got_lp, got_grads, want_lp, want_grads, rel: float, what: str):
 def test_reference_tree_equals_each_rollout_alone(family, rollouts):
     """dta_ref.tree_logprobs (explicit masks) and tree_backward in one chunk and in small chunks: the
     logprobs and parameter gradients of each rollout alone (float64 models; transformers computes norms
-    and routers in float32 inside, hence 1e-6)."""
+    and routers in float32 inside, hence 1e-6). Linear-attention hybrids train in one chunk only."""
     sequences = ROLLOUT_SETS[rollouts]
     tree = PrefixTree.from_sequences(sequences)
     model = tiny_family_model(family, torch.float64)
     want_lp, want_grads = each_rollout_alone(model, sequences, tree)
     assert want_grads.norm() > 0
 
+    # the model's own delta rule computes in float32 whatever the model's dtype, hence 3e-5 for the hybrids
+    rel = 3e-5 if family in LINEAR_FAMILIES else 1e-6
     model.zero_grad(set_to_none=True)
     logprobs = dta_ref.tree_logprobs(model, tree)
     weighted(logprobs, tree).backward()
-    assert_same(logprobs.detach(), grads(model), want_lp, want_grads, 1e-6, "dta_ref.tree_logprobs")
+    assert_same(logprobs.detach(), grads(model), want_lp, want_grads, rel, "dta_ref.tree_logprobs")
 
     loss = WeightedLoss(tree)
     for chunk in (None, 5, 13):
         model.zero_grad(set_to_none=True)
+        if family in LINEAR_FAMILIES and chunk is not None:  # a chunk's prefix would need recurrent states
+            with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
+                dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk)
+            continue
         logprobs, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk)
-        assert_same(logprobs, grads(model), want_lp, want_grads, 1e-6, f"tree_backward, chunks of {chunk}")
+        assert_same(logprobs, grads(model), want_lp, want_grads, rel, f"tree_backward, chunks of {chunk}")
 
 
 def WeightedLoss(tree: PrefixTree) -> LinearizedLoss:
@@ -166,6 +172,25 @@ def test_samplers_past_the_window(family):
     for i, (p, c) in enumerate(zip(prompts, fast.completions)):
         torch.testing.assert_close(fast.logprobs[i][: len(c)].double(), scored[i, len(p) - 1 : len(p) - 1 + len(c)],
                                    rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_hybrid_samplers(family):
+    """Hybrids sample with the reference sampler (each context whole, through the model's own linear
+    layers): greedy, transformers' generate's tokens. The KV-cached samplers, which would need each
+    draft token's recurrent state, refuse by name."""
+    model = tiny_family_model(family, torch.float64)
+    prompt = GRPO[0][:5]
+    greedy = dta_ref.sample(model, [prompt], 6, temperature=0.0, eos_token_id=None)
+    generated = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy.completions[0] == generated[0, len(prompt) :].tolist()
+    for sampler in (
+        lambda: dta_fast.sample(model, [prompt], 3),
+        lambda: dta_fast.speculative_sample(model, [prompt], 3, cache=dta_ref.RolloutCache()),
+        lambda: dta_ref.speculative_sample(model, [prompt], 3, cache=dta_ref.RolloutCache()),
+    ):
+        with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
+            sampler()
 
 
 def test_an_attention_keyword_the_tree_does_not_compute_is_refused():

@@ -412,6 +412,28 @@ def test_moe_router_aux_loss_as_grpo_trainer(tmp_path):
         train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=8, **options)
 
 
+def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
+    """A Qwen3.5 policy (a Gated DeltaNet layer before an attention layer): TreeGRPOTrainer's losses and
+    parameters are GRPOTrainer's (SGD, 3 steps); its chunked path, which would need the recurrent state at
+    each chunk's prefix, is refused by name."""
+    from tests.helpers import tiny_family_model
+
+    model = tiny_family_model("qwen3.5", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    base_logs, _, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path)
+    tree_logs, _, tree_updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path)
+    assert len(base_logs) == len(tree_logs) == 3
+    for base, tree in zip(base_logs, tree_logs, strict=True):
+        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
+    base_update = torch.cat([u.flatten() for u in base_updates.values()])
+    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
+    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+    with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
+        train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=4, max_steps=1)
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_generation_from_the_tree_cache(sampled, tmp_path, monkeypatch):
     """tree_generation: completions drawn by dta_fast.speculative_sample, earlier completions of each prompt

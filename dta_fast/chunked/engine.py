@@ -28,6 +28,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
 
 from ..dispatch import tree_attend, uses_kernel
+from ..linear_attention import TreeLinearMixing
 from ..logprobs import HeadRows, LogprobPairs, head_logprobs, head_weight, window_rows
 from .budget import choose_plan
 from .options import checked_options
@@ -239,7 +240,9 @@ class ChunkEngine:
             # reentrant checkpointing warns of a forward without gradients; this one needs none
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
-            hidden = self.adapter.hidden_states(ids, positions, attend, self.plan.checkpoint_layers)[0]
+            # a chunk without a prefix is a whole sub-forest: its linear-attention layers start from zero states
+            linear = TreeLinearMixing(self.tree.parent[a:b] - a) if P == 0 else None
+            hidden = self.adapter.hidden_states(ids, positions, attend, self.plan.checkpoint_layers, linear=linear)[0]
             span = self.span(c)
             logprobs = head_logprobs(hidden, self.head, self.head_rows[c], self.pairs.targets[span], self.temperature)
         return _ChunkPass(hidden, logprobs)

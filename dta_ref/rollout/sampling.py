@@ -20,6 +20,7 @@ from tqdm import tqdm
 from ..adapter import adapt
 from ..attention import masked_attend
 from ..checks import MIN_TEMPERATURE, as_float, check_int
+from ..linear_attention import CAUSAL
 from ..logprobs import logprob_dtype
 from ..tree import _as_token_list
 
@@ -235,7 +236,7 @@ def context_logits(model, contexts: list[list[int]]) -> torch.Tensor:
         pos = torch.arange(len(ctx), device=device)[None]
         end = torch.full((len(ctx),), len(ctx), device=device)
         attend = masked_attend(end, pos[0], pos[0])
-        rows.append(adapter.head(adapter.hidden_states(ids, pos, attend)[0, -1]))
+        rows.append(adapter.head(adapter.hidden_states(ids, pos, attend, linear=CAUSAL)[0, -1]))
     return torch.stack(rows)
 
 
