@@ -56,7 +56,8 @@ def window_rows(vocab: int) -> int:
 
 @dataclass
 class LogprobPairs:
-    """The (sequence, step) slots that hold a logprob, sorted by the packed row they read."""
+    """The (sequence, step) slots that hold a logprob (or a value, :meth:`of_values`), sorted by the
+    packed row they read."""
 
     rows: torch.Tensor  # [P] packed index of seq_i[t]
     targets: torch.Tensor  # [P] token seq_i[t+1]
@@ -73,6 +74,16 @@ class LogprobPairs:
         r = rows[seq, step]
         order = torch.argsort(r, stable=True)
         return cls(r[order], targets[seq, step][order], seq[order], step[order])
+
+    @classmethod
+    def of_values(cls, tree: PrefixTree) -> LogprobPairs:
+        """Every (sequence, step) with a value (a critic's output at each token): the row is the step's own
+        token; ``targets`` are unused (0)."""
+        valid = tree.seq_index >= 0
+        seq, step = valid.nonzero(as_tuple=True)
+        r = tree.seq_index[seq, step]
+        order = torch.argsort(r, stable=True)
+        return cls(r[order], torch.zeros_like(r), seq[order], step[order])
 
     def span(self, start: int, stop: int) -> slice:
         """The pairs whose row lies in [start, stop)."""

@@ -219,6 +219,11 @@ class TokenLoss:
     backpropagate each chunk as soon as it is computed.
     """
 
+    # what it is a loss of: next-token logprobs, one per token but the last ([N, Lmax-1]); a value loss
+    # overrides both (one value per token, [N, Lmax])
+    outputs, one_output = "logprobs", "next-token logprob"
+    lost_per_sequence = 1  # a sequence of n tokens has n - lost_per_sequence outputs
+
     def __init__(self, weights: torch.Tensor):
         self.weights = weights  # [N, L], float64
 
@@ -295,16 +300,17 @@ class TokenLoss:
                 f"lengths must be a 1-D integer tensor, got {getattr(lengths, 'dtype', type(lengths))} "
                 f"of shape {tuple(getattr(lengths, 'shape', ()))}"
             )
-        expected = (lengths.numel(), int(lengths.max()) - 1 if lengths.numel() else 0)
+        lost, what = self.lost_per_sequence, self.outputs
+        expected = (lengths.numel(), int(lengths.max()) - lost if lengths.numel() else 0)
         if self.shape != expected:
-            raise ValueError(f"loss_fn was built for logprobs of shape {self.shape}, the tree has {expected}")
+            raise ValueError(f"loss_fn was built for {what} of shape {self.shape}, the tree has {expected}")
         steps = torch.arange(self.shape[1], device=self.weights.device)
-        past_end = steps[None, :] >= (lengths.to(self.weights.device)[:, None] - 1)
+        past_end = steps[None, :] >= (lengths.to(self.weights.device)[:, None] - lost)
         if bool((self.weights != 0).logical_and(past_end).any()):
             i, t = (self.weights != 0).logical_and(past_end).nonzero()[0].tolist()
             raise ValueError(
-                f"the loss mask is True at step {t} of sequence {i}, past its last next-token logprob "
-                f"(step {int(lengths[i]) - 2}): mask only steps t < length - 1"
+                f"the loss mask is True at step {t} of sequence {i}, past its last {self.one_output} "
+                f"(step {int(lengths[i]) - lost - 1}): mask only steps t < length{f' - {lost}' if lost else ''}"
             )
 
     def __call__(self, i: int, logprobs_i: torch.Tensor) -> torch.Tensor:
@@ -312,17 +318,16 @@ class TokenLoss:
             raise TypeError(f"the sequence index must be an int, got {type(i).__name__}")
         if not 0 <= i < self.shape[0]:
             raise ValueError(f"sequence index {i} is out of range for a loss over {self.shape[0]} sequences")
+        what = self.outputs
         if not isinstance(logprobs_i, torch.Tensor) or logprobs_i.dim() != 1 or logprobs_i.shape[0] > self.shape[1]:
             raise ValueError(
-                f"logprobs of sequence {i} must be 1-D of length <= {self.weights.shape[1]}, "
+                f"{what} of sequence {i} must be 1-D of length <= {self.weights.shape[1]}, "
                 f"got shape {tuple(getattr(logprobs_i, 'shape', ()))}"
             )
-        _check_floating("logprobs", logprobs_i)
+        _check_floating(what, logprobs_i)
         n = logprobs_i.shape[0]
         if bool((self.weights[i, n:] != 0).any()):
-            raise ValueError(
-                f"the loss mask is True past the {n} logprobs of sequence {i}: mask only steps t < length - 1"
-            )
+            raise ValueError(f"the loss mask is True past the {n} {what} of sequence {i}")
         steps = torch.arange(logprobs_i.shape[0], device=logprobs_i.device)
         seq = torch.full_like(steps, i)
         return self.terms(seq, steps, logprobs_i).sum()
@@ -375,3 +380,38 @@ class SFTLoss(TokenLoss):
 
     def _term(self, seq, step, logprobs):
         return -logprobs
+
+
+class ValueLoss(TokenLoss):
+    """:func:`value_loss` as a per-sequence ``loss_fn(i, values_i)``: a critic's loss on its values, one
+    per token ([N, Lmax], the layout of ``tree_values``).
+
+    Summed over the batch it equals ``value_loss(values, ...)`` with the same arguments, normalisation
+    included; ``dta_fast.tree_backward`` trains a critic with it, chunk by chunk.
+    """
+
+    outputs, one_output = "values", "value"
+    lost_per_sequence = 0
+
+    def __init__(self, old_values, returns, loss_mask, clip: float | None = None, normalization: str = "token_mean"):
+        _check_padded("returns", returns)
+        if returns.dim() != 2:
+            raise ValueError(f"returns must be [N, L], got shape {tuple(returns.shape)}")
+        _check_floating("returns", returns)
+        for name, x in (("old_values", old_values), ("loss_mask", loss_mask)):
+            _check_padded(name, x, returns.shape)
+        mask = _check_mask(loss_mask)
+        for name, x in (("old_values", old_values), ("returns", returns)):
+            _check_finite_where(name, x, mask)
+        super().__init__(token_weights(mask, normalization))
+        self.old_values, self.returns = (torch.where(mask, x.detach(), 0) for x in (old_values, returns))
+        self.clip = None if clip is None else _check_clip("clip", clip)
+
+    def _term(self, seq, step, values):
+        old = self.old_values.to(values.device)[seq, step].to(values.dtype)
+        ret = self.returns.to(values.device)[seq, step].to(values.dtype)
+        terms = (values - ret) ** 2
+        if self.clip is not None:
+            clipped = old + (values - old).clamp(-self.clip, self.clip)
+            terms = torch.maximum(terms, (clipped - ret) ** 2)
+        return 0.5 * terms

@@ -121,3 +121,60 @@ def test_a_reward_model_scores_every_prefix():
         for cut in (len(seq), len(seq) - 2):
             own = reward_model(torch.tensor([seq[:cut]])).logits[0, 0]
             torch.testing.assert_close(values[i, cut - 1], own, rtol=1e-5, atol=1e-6)
+
+
+def _value_loss_inputs(dtype):
+    g = torch.Generator().manual_seed(5)
+    shape = (TREE.num_sequences, TREE.max_length)
+    mask = TREE.seq_index >= 0
+    mask[:, :6] = False  # the prompts carry no value loss
+    returns = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    old = (0.3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    return old, returns, mask
+
+
+def test_value_loss_per_sequence_is_the_batch_loss():
+    values = torch.randn(TREE.num_sequences, TREE.max_length, dtype=torch.float64)
+    old, returns, mask = _value_loss_inputs(torch.float64)
+    for clip, normalization in ((None, "token_mean"), (0.1, "sequence_mean"), (0.1, "sum")):
+        loss = dta_ref.ValueLoss(old, returns, mask, clip=clip, normalization=normalization)
+        per_sequence = sum(loss(i, values[i, : int(n)]) for i, n in enumerate(TREE.lengths))
+        want = dta_ref.value_loss(values, old, returns, mask, clip=clip, normalization=normalization)
+        torch.testing.assert_close(per_sequence, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [None, 5, 13], ids=["one-chunk", "chunks-of-5", "chunks-of-13"])
+@pytest.mark.parametrize("index", [0, 2], ids=["qwen2-token-classifier", "llama+head"])
+def test_tree_backward_trains_a_critic(index, chunk):
+    """A clipped value loss through tree_backward, in one chunk and in small chunks: the loss, the values
+    and every parameter gradient (the value head's included) of autograd on each rollout alone."""
+    name, model, head = critics(torch.float64)[index]
+    old, returns, mask = _value_loss_inputs(torch.float64)
+    params = list(model.parameters()) + ([] if head is None else list(head.parameters()))
+    want_values = dta_ref.flat_values(model, SEQUENCES, value_head=head)
+    want_loss = dta_ref.value_loss(want_values, old, returns, mask, clip=0.1)
+    want = torch.autograd.grad(want_loss, params, allow_unused=True)
+    for p in params:
+        p.grad = None
+    loss_fn = dta_ref.ValueLoss(old, returns, mask, clip=0.1)
+    values, loss = dta_fast.tree_backward(model, TREE, loss_fn, max_chunk_tokens=chunk, value_head=head)
+    # transformers computes its norms in float32 inside a float64 model, hence 1e-6
+    torch.testing.assert_close(values, want_values.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-6, atol=1e-8)
+    got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    want = [g if g is not None else torch.zeros_like(p) for g, p in zip(want, params)]
+    flat_got, flat_want = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in want])
+    assert flat_want.norm() > 0 and float((flat_got - flat_want).norm() / flat_want.norm()) < 1e-6, name
+
+
+def test_a_loss_for_the_other_kind_of_model_is_refused():
+    """A value loss on a policy, a policy loss on a critic, a temperature on values: refused by name."""
+    old, returns, mask = _value_loss_inputs(torch.float64)
+    value_loss = dta_ref.ValueLoss(old, returns, mask)
+    sft = dta_ref.SFTLoss(TREE.logprob_mask)
+    with pytest.raises(ValueError, match="loss of values .ValueLoss., but the model gives logprobs"):
+        dta_fast.tree_backward(tiny_family_model("llama"), TREE, value_loss)
+    with pytest.raises(ValueError, match="loss of logprobs .SFTLoss., but the model gives values"):
+        dta_fast.tree_backward(token_classifier(), TREE, sft)
+    with pytest.raises(ValueError, match="a critic's values have none"):
+        dta_fast.tree_backward(token_classifier(), TREE, value_loss, temperature=0.7)

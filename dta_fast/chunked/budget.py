@@ -318,11 +318,12 @@ def free_device_bytes(model, device: torch.device) -> int:
     return free + cached - unset_grad_bytes(model)
 
 
-def choose_plan(model, tree: PrefixTree, device: torch.device, options: TreeBackwardOptions) -> ChunkPlan:
-    """The plan of this step: a given chunk size, a given budget, or on CUDA the free memory."""
+def choose_plan(model, tree: PrefixTree, device: torch.device, options: TreeBackwardOptions, head=None) -> ChunkPlan:
+    """The plan of this step: a given chunk size, a given budget, or on CUDA the free memory. ``head``: the
+    output head the chunks run (None: the vocabulary head)."""
     forest = Forest.of(tree)
     T = forest.num_tokens
-    memory = MemoryModel.of(model)
+    memory = MemoryModel.of(model, head)
     checkpoint_layers = check_checkpoint_layers(options.checkpoint_layers, memory)
     size, budget, recompute = options.max_chunk_tokens, options.memory_budget_bytes, options.recompute
     if size is not None or (budget is None and device.type != "cuda"):

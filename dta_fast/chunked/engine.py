@@ -14,6 +14,7 @@ autograd runs it, so the engine stays exact when a layer's forward runs twice (g
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,6 +27,7 @@ from dta_ref.checks import check_tree
 from dta_ref.logprobs import logprob_dtype
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
+from dta_ref.values import token_values, value_head_of
 
 from ..dispatch import tree_attend, uses_kernel
 from ..linear_attention import TreeLinearMixing
@@ -140,16 +142,22 @@ class ChunkEngine:
         kernel: bool,
         out_logprobs: torch.Tensor,
         temperature: float = 1.0,
+        value_head=None,
     ):
         self.adapter, self.tree, self.plan, self.temperature = adapt(model), tree, plan, temperature
-        self.head = self.adapter.head
+        # a critic's chunks give values through ``value_head``, a policy's logprobs through its vocabulary head
+        self.value_head = value_head
+        self.head = self.adapter.head if value_head is None else value_head
         self.kernel = kernel  # the Triton kernel, else the reference attention (dta_fast.dispatch)
-        self.pairs = LogprobPairs.of(tree)
+        self.pairs = LogprobPairs.of(tree) if value_head is None else LogprobPairs.of_values(tree)
         rows = self.pairs.rows.cpu().numpy()
         self.span_lo = np.searchsorted(rows, plan.start).tolist()
         self.span_hi = np.searchsorted(rows, plan.stop).tolist()
         # every chunk's head rows and windows at once: no chunk waits for the GPU to learn its own
-        window = plan.logits_rows or window_rows(head_weight(self.head).shape[0])
+        if value_head is not None:
+            window = sys.maxsize  # one value per row: no logits window to keep small
+        else:
+            window = plan.logits_rows or window_rows(head_weight(self.head).shape[0])
         self.head_rows = HeadRows.of_chunks(
             rows, self.span_lo + [rows.size], plan.start.tolist(), window, self.pairs.rows.device
         )
@@ -244,7 +252,11 @@ class ChunkEngine:
             linear = TreeLinearMixing(self.tree.parent[a:b] - a) if P == 0 else None
             hidden = self.adapter.hidden_states(ids, positions, attend, self.plan.checkpoint_layers, linear=linear)[0]
             span = self.span(c)
-            logprobs = head_logprobs(hidden, self.head, self.head_rows[c], self.pairs.targets[span], self.temperature)
+            rows = self.head_rows[c]
+            if self.value_head is None:
+                logprobs = head_logprobs(hidden, self.head, rows, self.pairs.targets[span], self.temperature)
+            else:  # a critic: one value per token
+                logprobs = token_values(self.head, hidden[rows.unique])[rows.inverse]
         return _ChunkPass(hidden, logprobs)
 
 
@@ -261,6 +273,7 @@ def tree_backward(
     attention_impl: str = "auto",
     temperature: float = 1.0,
     grad_scaler: torch.amp.GradScaler | None = None,
+    value_head=None,
 ):
     """Forward and backward over the whole forest, depth-first in chunks; gradients added to ``.grad``.
 
@@ -297,6 +310,11 @@ def tree_backward(
     dtype, for CPU tests) or "auto" (kernel on CUDA, reference elsewhere).
     ``temperature``: the logprobs are those of ``logits / temperature``, as
     an RL trainer scores its samples at the sampling temperature.
+    ``value_head``: train a critic. A value model (a token classifier with
+    one label) or a causal LM with ``value_head`` beside it gives one value
+    per token instead of logprobs: ``loss_fn(i, values_i)`` over all of
+    sequence i's tokens (``dta_ref.ValueLoss``, one pass), and the returned
+    values are [N, Lmax] (the layout of ``tree_values``).
     ``grad_scaler``: float16 mixed precision's ``torch.amp.GradScaler``. The
     backward runs on its scaled loss, as ``scaler.scale(loss).backward()``
     would, so ``scaler.step(optimizer)`` unscales the gradients as usual
@@ -343,14 +361,18 @@ def tree_backward(
             "backward: use dta_fast.distributed_tree_backward, or pass model.module and reduce the gradients"
         )
     adapter.check_token_ids(tree.tokens)
+    critic = value_head is not None or adapter.value_head is not None
+    value_head = value_head_of(model, value_head) if critic else None
+    _check_loss_outputs(loss_fn, critic, options.temperature)
 
     device = adapter.device
     kernel = uses_kernel(device, options.attention_impl)
-    plan = choose_plan(model, tree, device, options)
+    plan = choose_plan(model, tree, device, options, head=value_head)
     tree = tree.to(device)
     dtype = logprob_dtype(adapter.dtype)
-    logprobs = torch.zeros(tree.num_sequences, tree.max_length - 1, dtype=dtype, device=device)
-    engine = ChunkEngine(model, tree, plan, kernel, logprobs, options.temperature)
+    width = tree.max_length if critic else tree.max_length - 1
+    logprobs = torch.zeros(tree.num_sequences, width, dtype=dtype, device=device)
+    engine = ChunkEngine(model, tree, plan, kernel, logprobs, options.temperature, value_head)
     scaled = _unscaled if options.grad_scaler is None else options.grad_scaler.scale  # what the backward runs on
     if isinstance(loss_fn, TokenLoss):
         total = _run_token_loss(engine, loss_fn, scaled)
@@ -362,6 +384,19 @@ def tree_backward(
     return logprobs, total.to(dtype)
 
 
+def _check_loss_outputs(loss_fn, critic: bool, temperature: float) -> None:
+    """A critic trains on values, a policy on logprobs: a loss built for the other is refused by name."""
+    wanted = "values" if critic else "logprobs"
+    given = getattr(loss_fn, "outputs", wanted) if isinstance(loss_fn, TokenLoss) else wanted
+    if given != wanted:
+        raise ValueError(
+            f"loss_fn is a loss of {given} ({type(loss_fn).__name__}), but the model gives {wanted}: "
+            + ("pass a ValueLoss for a critic" if critic else "a value loss trains a critic (value model, value_head=)")
+        )
+    if critic and temperature != 1.0:
+        raise ValueError(f"temperature scales logits; a critic's values have none (got temperature={temperature})")
+
+
 def _unscaled(loss: torch.Tensor) -> torch.Tensor:
     """What the backward runs on without a GradScaler: the loss itself."""
     return loss
@@ -371,7 +406,9 @@ def _run_token_loss(engine: ChunkEngine, loss_fn: TokenLoss, scaled) -> torch.Te
     """One pass: each chunk backpropagates its own tokens' terms (``scaled``). Returns the total (float64)."""
     out, pairs = engine.out, engine.pairs
     if loss_fn.shape != tuple(out.shape):
-        raise ValueError(f"loss_fn was built for logprobs of shape {loss_fn.shape}, the tree has {tuple(out.shape)}")
+        raise ValueError(
+            f"loss_fn was built for {loss_fn.outputs} of shape {loss_fn.shape}, the tree has {tuple(out.shape)}"
+        )
     token_loss = loss_fn.to(out.device)  # once, not at every chunk
     totals = []
 
@@ -412,7 +449,8 @@ def _linearised_loss(loss_fn, tree: PrefixTree, logprobs: torch.Tensor, scaled):
     ``sum(g * logprobs)``'s gradient.
     """
     leaves, terms = [], []
-    for i, n in enumerate((tree.lengths - 1).tolist()):
+    lost = tree.max_length - logprobs.shape[1]  # one logprob per token but the last, or one value per token
+    for i, n in enumerate((tree.lengths - lost).tolist()):
         lp_i = logprobs[i, :n].detach().clone().requires_grad_(True)
         term = loss_fn(i, lp_i.clone())  # not the leaf itself: a loss may change its argument in place
         if not isinstance(term, torch.Tensor) or term.numel() != 1 or term.is_complex():

@@ -38,9 +38,11 @@ class MemoryModel:
     model_checkpoints: bool = False  # the model checkpoints every layer itself (plans can only be so)
 
     @classmethod
-    def of(cls, model) -> MemoryModel:
+    def of(cls, model, head=None) -> MemoryModel:
+        """The model's, with ``head`` as its output head (None: its vocabulary head; a value head's last
+        linear layer stands for it)."""
         adapter = adapt(model)
-        shape, weight = adapter.shape, head_weight(adapter.head)
+        shape, weight = adapter.shape, head_weight(adapter.head) if head is None else _output_weight(head)
         vocab, w = weight.shape[0], weight.element_size()
         W = weight.numel() * w
         z = torch.finfo(logprob_dtype(weight.dtype)).bits // 8
@@ -210,3 +212,11 @@ def format_bytes(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.{digits}f} {unit}"
     return f"{int(num_bytes)} B"
+
+
+def _output_weight(head) -> torch.Tensor:
+    """The [outputs, hidden] weight of a head's last linear layer (a value head's: [1, hidden])."""
+    linear = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    if not linear:
+        raise TypeError(f"the output head {type(head).__name__} has no linear layer to size its memory by")
+    return linear[-1].weight
