@@ -29,6 +29,7 @@ from dta_ref.logprobs import (
     next_token_targets,
     scaled_log_softmax,
 )
+from dta_ref.multimodal import check_images
 from dta_ref.tree import PrefixTree
 
 from .dispatch import tree_attend, uses_kernel
@@ -357,43 +358,50 @@ def gather_logprobs_chunked(
     return LogprobsAndEntropy(*out) if entropy else out[0]
 
 
-def packed_hidden(model, tree: PrefixTree, attention_impl: str = "auto", router_aux_loss: bool = False):
+def packed_hidden(
+    model, tree: PrefixTree, attention_impl: str = "auto", router_aux_loss: bool = False, images=None
+):  # fmt: skip
     """The last hidden states [T, hidden] of the packed forest from one forward, the tree on the model's
-    device, and the router auxiliary loss over the rollouts (or None)."""
+    device, and the router auxiliary loss over the rollouts (or None); ``images`` as in dta_ref's."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
     adapter = adapt(model)
+    images = check_images(images, tree, adapter.device)
     kernel = uses_kernel(adapter.device, attention_impl)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
     attend = tree_attend(tree.subtree_end, tree.num_tokens, kernel, tree.position_ids)  # tree.validate() checked it
     out = adapter.hidden_states(
         tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss,
-        linear=TreeLinearMixing(tree.parent),
+        linear=TreeLinearMixing(tree.parent), images=images,
     )  # fmt: skip
     if not router_aux_loss:
         return out[0], tree, None
     return out[0][0], tree, adapter.router_aux_loss(out[1], tree.multiplicity)
 
 
-def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, attention_impl: str = "auto"):
+def tree_logprobs(
+    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, images=None, attention_impl: str = "auto"
+):  # fmt: skip
     """Logprobs of every rollout [N, Lmax-1] from one packed forward (the tree kernel on CUDA)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     head = adapt(model).head  # before the forward: a value model has none
-    hidden, tree, _ = packed_hidden(model, tree, attention_impl)
+    hidden, tree, _ = packed_hidden(model, tree, attention_impl, images=images)
     return gather_logprobs_chunked(hidden, head, tree, temperature=temperature, mask=mask)
 
 
 def tree_logprobs_and_entropy(
     model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, router_aux_loss: bool = False,
-    attention_impl: str = "auto",
+    images=None, attention_impl: str = "auto",
 ) -> LogprobsAndEntropy:  # fmt: skip
     """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward;
     ``router_aux_loss`` as ``dta_ref.tree_logprobs_and_entropy`` says."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     head = adapt(model).head
-    hidden, tree, aux = packed_hidden(model, tree, attention_impl, check_flag("router_aux_loss", router_aux_loss))
+    hidden, tree, aux = packed_hidden(
+        model, tree, attention_impl, check_flag("router_aux_loss", router_aux_loss), images
+    )  # fmt: skip
     out = gather_logprobs_chunked(hidden, head, tree, temperature=temperature, entropy=True, mask=mask)
     out.aux_loss = aux
     return out

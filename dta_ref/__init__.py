@@ -33,6 +33,7 @@ from .losses import (
     value_loss,
 )
 from .model import Decoder, DecoderConfig
+from .multimodal import TreeImages, pack_images
 from .padded import PaddedLayout
 from .rollout import Rollout, RolloutCache, sample, speculative_sample
 from .tree import PrefixTree
@@ -44,6 +45,8 @@ __all__ = [
     "__version__",
     "PrefixTree",
     "PaddedLayout",
+    "pack_images",
+    "TreeImages",
     "adapt",
     "ModelAdapter",
     "tree_mask",

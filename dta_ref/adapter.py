@@ -36,6 +36,7 @@ from .hf import (
     layers_of,
     logit_softcap_of,
     router_aux_loss,
+    text_config_of,
     value_head_of,
 )
 from .model import Decoder, causal_attend
@@ -232,6 +233,7 @@ class ModelAdapter:
                 self._element_size(),
                 False,
             )
+        cfg = text_config_of(self.core)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         if getattr(cfg, "qk_rope_head_dim", None) is not None:  # MLA: queries and keys of nope + rope dims
@@ -263,6 +265,7 @@ class ModelAdapter:
         checkpoint_layers: bool = False,
         output_router_logits: bool = False,
         linear=None,
+        images=None,
     ):
         """Final normalised hidden states [B, T, hidden], every attention layer done by ``attend``.
 
@@ -277,6 +280,8 @@ class ModelAdapter:
         ``linear``: the convolution and delta rule of linear-attention layers
         (``dta_ref.linear_attention``): ``CAUSAL`` when each row is one whole
         sequence, a tree's mixing for a packed forest; None refuses them.
+        ``images``: a vision-language model's images in packed order
+        (``dta_ref.multimodal.TreeImages``).
         """
         # Never traced into a layer the user compiled: attend's state lives outside autograd (the chunked
         # engine's K/V stores, read and written by its backward), which a graph would freeze when traced.
@@ -286,8 +291,8 @@ class ModelAdapter:
         with eagerly, self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):
-                    return self.data_parallel(input_ids, position_ids, attend, output_router_logits, linear)
-            return self._trunk(input_ids, position_ids, attend, output_router_logits, linear)
+                    return self.data_parallel(input_ids, position_ids, attend, output_router_logits, linear, images)
+            return self._trunk(input_ids, position_ids, attend, output_router_logits, linear, images)
 
     @contextmanager
     def _checkpointing(self):
@@ -303,9 +308,11 @@ class ModelAdapter:
                     stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, forward)))
             yield
 
-    def _trunk(self, input_ids, position_ids, attend, output_router_logits=False, linear=None):
+    def _trunk(self, input_ids, position_ids, attend, output_router_logits=False, linear=None, images=None):
         if self.is_hf:
-            return hf_hidden_states(self.core, input_ids, position_ids, attend, output_router_logits, linear)
+            return hf_hidden_states(self.core, input_ids, position_ids, attend, output_router_logits, linear, images)
+        if images is not None:
+            raise TypeError("dta_ref.Decoder is a text model: it takes no images")
         if output_router_logits:
             raise TypeError("dta_ref.Decoder has no experts: it has no router logits")
         return self.core.hidden_states(input_ids, position_ids, attend)

@@ -54,7 +54,7 @@ def check_hf_model(model) -> None:
             "Qwen2ForCausalLM) or a token classifier with num_labels=1 (a critic), not a base model"
         )
     layers_of(model)
-    cfg = model.config
+    cfg = text_config_of(model)
     for i, layer_type in enumerate(getattr(cfg, "layer_types", None) or ()):
         if layer_type == LINEAR_LAYER_TYPE:
             linear_module_of(model, i)
@@ -74,7 +74,7 @@ def check_hf_model(model) -> None:
 
 def linear_layers_of(model) -> list[int]:
     """The indices of a model's linear-attention layers (``config.layer_types``)."""
-    types = getattr(model.config, "layer_types", None) or ()
+    types = getattr(text_config_of(model), "layer_types", None) or ()
     return [i for i, layer_type in enumerate(types) if layer_type == LINEAR_LAYER_TYPE]
 
 
@@ -124,6 +124,12 @@ def route_linear_attention(model) -> None:
                 setattr(modeling, name, _linear_router(current, step))
 
 
+def text_config_of(model):
+    """The config of a model's language model: its own, or a vision-language model's text config."""
+    get = getattr(model.config, "get_text_config", None)
+    return get() if callable(get) else model.config
+
+
 def decoder_of(model):
     """The trunk of a causal LM (embedding, layers, final norm): ``model.model`` in transformers."""
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
@@ -134,7 +140,7 @@ def layers_of(model):
     """The decoder layers of a causal LM, in order: the trunk's list of ``num_hidden_layers`` modules
     (``layers`` in most families, ``h`` in GPT-2's)."""
     decoder = decoder_of(model)
-    count = model.config.num_hidden_layers
+    count = text_config_of(model).num_hidden_layers
     lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
     if len(lists) != 1:
         raise TypeError(f"{type(model).__name__}'s trunk has no single list of its {count} decoder layers")
@@ -153,7 +159,7 @@ def value_head_of(model):
 
 def logit_softcap_of(model) -> float | None:
     """The final logit softcap the causal LM applies after its head (Gemma 2), or None."""
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    cap = getattr(text_config_of(model), "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 
@@ -232,11 +238,15 @@ def route_attention(implementation: str) -> None:
     AttentionInterface.register(implementation, _router(current))
 
 
-def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logits: bool = False, linear=None):
+def hf_hidden_states(
+    model, input_ids, position_ids, attend, output_router_logits: bool = False, linear=None, images=None
+):  # fmt: skip
     """Final hidden states [B, T, hidden] of a causal LM, attention done by ``attend`` and linear-attention
     layers' convolution and delta rule by ``linear`` (``dta_ref.linear_attention``; None: such layers are
     refused); every decoder layer must route through them. With ``output_router_logits``, also a MoE
-    model's router logits (one [B * T, experts] tensor per MoE layer)."""
+    model's router logits (one [B * T, experts] tensor per MoE layer). ``images``
+    (``dta_ref.multimodal.TreeImages``): a vision-language model's images, each encoded once, and the
+    packed tokens' multimodal rotary positions, which replace ``position_ids``."""
     route_attention(model.config._attn_implementation)
     route_linear_attention(model)
     routed = set()
@@ -250,6 +260,8 @@ def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logit
     decoder = decoder_of(model)
     no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
     extra = dict(output_router_logits=True) if output_router_logits else {}
+    if images is not None:
+        decoder, position_ids, extra = _multimodal_trunk(model, images, input_ids, extra)
     out = decoder(
         input_ids=input_ids, position_ids=position_ids, attention_mask=no_mask, dta_attend=counted, use_cache=False,
         **extra,
@@ -269,6 +281,24 @@ def hf_hidden_states(model, input_ids, position_ids, attend, output_router_logit
     if not output_router_logits:
         return out.last_hidden_state
     return out.last_hidden_state, out.get("router_logits")  # a key of the output, not always a field
+
+
+def _multimodal_trunk(model, images, input_ids, extra):
+    """A vision-language model's multimodal trunk, its rotary positions and inputs: the image features
+    computed here, once per distinct image and outside the tree's route (the vision tower's own attention
+    is not the tree's), for the trunk to place at the placeholders."""
+    trunk = getattr(model, "model", None)
+    if not callable(getattr(trunk, "get_image_features", None)):
+        raise TypeError(f"{type(model).__name__} takes no images: it has no multimodal trunk with a vision tower")
+    if images.position_ids.shape != (3, input_ids.shape[-1]):
+        raise ValueError(
+            f"images.position_ids must be [3, {input_ids.shape[-1]}] (one per packed token), got "
+            f"{tuple(images.position_ids.shape)}"
+        )
+    encoded = {}
+    if len(images.image_grid_thw):
+        encoded["image"] = trunk.get_image_features(images.pixel_values, images.image_grid_thw, return_dict=True)
+    return trunk, images.position_ids[:, None], dict(extra, mm_encoder_outputs=encoded)
 
 
 def router_aux_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from .adapter import adapt
 from .attention import masked_attend
 from .checks import check_flag, check_temperature
 from .linear_attention import TreeLinearMixing
+from .multimodal import check_images
 from .tree import PrefixTree, _as_token_list
 
 
@@ -108,49 +109,52 @@ def gather_tree_logprobs(
     return LogprobsAndEntropy(out, entropy_of(logp)[rows].masked_fill(~valid, 0.0))
 
 
-def packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False):
+def packed_hidden(model, tree: PrefixTree, router_aux_loss: bool = False, images=None):
     """The packed forest's final hidden states [T, hidden], the tree on the model's device, and the router
-    auxiliary loss over the rollouts (each packed token weighted by its multiplicity) or None."""
+    auxiliary loss over the rollouts (each packed token weighted by its multiplicity) or None. ``images``:
+    a vision-language model's images in packed order (``dta_ref.pack_images``)."""
     if not isinstance(tree, PrefixTree):
         raise TypeError(f"expected a PrefixTree, got {type(tree).__name__}")
     tree.validate()
     adapter = adapt(model)
+    images = check_images(images, tree, adapter.device)
     adapter.check_token_ids(tree.tokens)
     tree = tree.to(adapter.device)
     index = torch.arange(tree.num_tokens, device=tree.tokens.device)
     attend = masked_attend(tree.subtree_end, index, tree.position_ids)
     out = adapter.hidden_states(
         tree.tokens[None], tree.position_ids[None], attend, output_router_logits=router_aux_loss,
-        linear=TreeLinearMixing(tree.parent),
+        linear=TreeLinearMixing(tree.parent), images=images,
     )  # fmt: skip
     if not router_aux_loss:
         return out[0], tree, None
     return out[0][0], tree, adapter.router_aux_loss(out[1], tree.multiplicity)
 
 
-def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None) -> torch.Tensor:
+def tree_logprobs(model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, images=None) -> torch.Tensor:
     """Logprobs of every rollout from one packed forward over the tree (explicit mask).
 
     ``temperature`` divides the logits first, as an RL trainer scoring its
     samples at the sampling temperature does. ``mask`` (bool [N, Lmax-1]):
     only those logprobs are wanted (the others are 0), so a trainer that
-    scores responses only never projects its prompt rows.
+    scores responses only never projects its prompt rows. ``images``: a
+    vision-language model's images, from ``dta_ref.pack_images`` with the tree.
     """
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     head = adapt(model).head  # before the forward: a value model has none
-    hidden, tree, _ = packed_hidden(model, tree)
+    hidden, tree, _ = packed_hidden(model, tree, images=images)
     return gather_tree_logprobs(hidden, head, tree, temperature, mask=mask)
 
 
 def tree_logprobs_and_entropy(
-    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, router_aux_loss: bool = False
+    model, tree: PrefixTree, *, temperature: float = 1.0, mask=None, router_aux_loss: bool = False, images=None
 ) -> LogprobsAndEntropy:
     """:func:`tree_logprobs` and the entropy of every next-token distribution, from one packed forward.
     ``router_aux_loss``: also a MoE model's load-balancing loss, equal to that of the padded batch of the
     tree's rollouts (each packed token counted once per rollout that holds it)."""
     temperature, mask = check_temperature(temperature), check_logprob_mask(mask, tree)
     head = adapt(model).head
-    hidden, tree, aux = packed_hidden(model, tree, check_flag("router_aux_loss", router_aux_loss))
+    hidden, tree, aux = packed_hidden(model, tree, check_flag("router_aux_loss", router_aux_loss), images)
     out = gather_tree_logprobs(hidden, head, tree, temperature, entropy=True, mask=mask)
     out.aux_loss = aux
     return out

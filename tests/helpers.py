@@ -265,3 +265,40 @@ def brute_force_tree_mask(tree: dta_ref.PrefixTree, sequences) -> torch.Tensor:
         for j, pj in enumerate(prefixes):
             mask[i, j] = len(pj) <= len(pi) and pi[: len(pj)] == pj
     return mask
+
+
+IMAGE, VISION_START, VISION_END = 70, 72, 73  # the tiny VLMs' placeholder and its brackets (vocabulary 80)
+
+
+def tiny_vl_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """A seeded tiny vision-language model, ``"qwen2.5-vl"`` or ``"qwen3-vl"`` (2 text layers of hidden 32,
+    a 2-block vision tower of patch 2 merging 2 x 2 patches per token), in eval mode."""
+    import transformers
+
+    text = dict(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+        spatial_merge_size=2, temporal_patch_size=1, in_channels=3,
+    )  # fmt: skip
+    tokens = dict(image_token_id=IMAGE, video_token_id=71, vision_start_token_id=VISION_START,
+                  vision_end_token_id=VISION_END)  # fmt: skip
+    if family == "qwen2.5-vl":
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=dict(vision, window_size=8, fullatt_block_indexes=[1]), **tokens
+        )
+    elif family == "qwen3-vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                   "mrope_interleaved": True}  # fmt: skip
+        config = transformers.Qwen3VLConfig(
+            text_config=text, vision_config=dict(vision, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+            **tokens,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown vision-language family {family!r}")
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(seed)
+    return transformers.AutoModelForImageTextToText.from_config(config).to(dtype).eval()

@@ -1,0 +1,124 @@
+"""Vision-language policies on the tree (Qwen2.5-VL, Qwen3-VL with deepstack): images in a shared prompt
+encoded once, logprobs and every parameter gradient (the vision tower's included) those of each rollout
+run alone through the model's own forward with its own images and rotary positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dta_fast
+import dta_ref
+from tests.helpers import IMAGE, VISION_END, VISION_START, tiny_vl_model
+
+FAMILIES = ("qwen2.5-vl", "qwen3-vl")
+TWINS = {"ref": dta_ref.tree_logprobs, "fast": dta_fast.tree_logprobs}
+
+
+def image(tokens: int) -> list[int]:
+    return [VISION_START] + [IMAGE] * tokens + [VISION_END]
+
+
+def pictures(seed=0):
+    """Three images of 4 x 4, 4 x 4 and 4 x 8 patches (4, 4 and 8 tokens after merging 2 x 2)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((16, [1, 4, 4]), (16, [1, 4, 4]), (32, [1, 4, 8]))
+    return [(torch.randn(n, 12, generator=g, dtype=torch.float64), torch.tensor([grid])) for n, grid in shapes]
+
+
+def grpo_with_images():
+    """Two prompts with an image each, three and two rollouts; and a multi-turn rollout whose second turn
+    shows another image (of the first image's size: its placeholders are the same tokens)."""
+    a, b, c = pictures()
+    p1, p2 = [1, 3] + image(4) + [5, 6], [1, 3] + image(8) + [9]
+    rollouts = [(p1 + r, [a]) for r in ([10, 11, 12], [10, 13], [14])]
+    rollouts += [(p2 + r, [c]) for r in ([20, 21], [22, 23, 24])]
+    rollouts.append((p1 + [10, 11] + image(4) + [30, 31], [a, b]))
+    sequences = [s for s, _ in rollouts]
+    pixel_values = [torch.cat([img[0] for img in images]) for _, images in rollouts]
+    grids = [torch.cat([img[1] for img in images]) for _, images in rollouts]
+    return sequences, pixel_values, grids
+
+
+def each_rollout_alone(model, sequences, pixel_values, grids):
+    """The truth: each rollout through the model's own forward, with its images and its processor's token
+    types (from which the model computes its rotary positions)."""
+    out = torch.zeros(len(sequences), max(map(len, sequences)) - 1, dtype=torch.float64)
+    rows = []
+    for s, pixels, grid in zip(sequences, pixel_values, grids, strict=True):
+        ids = torch.tensor([s])
+        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
+        rows.append(torch.log_softmax(logits.logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0])
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.stack([torch.nn.functional.pad(r, (0, out.shape[1] - len(r))) for r in rows])
+
+
+def weighted(logprobs, tree):
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    return (logprobs.double() * weights * tree.logprob_mask).sum()
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_in_the_tree_equal_each_rollout_alone(family, twin, monkeypatch):
+    """Logprobs and every parameter gradient, the vision tower's included; the tower runs once, on the
+    three distinct images (the shared prompts' images once, not once per rollout)."""
+    model = tiny_vl_model(family)
+    sequences, pixel_values, grids = grpo_with_images()
+    tree, images = dta_ref.pack_images(model, sequences, pixel_values, grids)
+    assert tree.num_tokens < sum(map(len, sequences)) // 2
+    assert images.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4], [1, 4, 8]]
+
+    want = each_rollout_alone(model, sequences, pixel_values, grids)
+    weighted(want, tree).backward()
+    want_grads = grads(model)
+    vision = [p for p in model.model.visual.parameters()]
+    assert all(p.grad is not None and p.grad.norm() > 0 for p in vision[:1])
+    model.zero_grad(set_to_none=True)
+
+    seen = []
+    forward = model.model.visual.forward
+    monkeypatch.setattr(model.model.visual, "forward", lambda x, **kw: seen.append(len(x)) or forward(x, **kw))
+    got = TWINS[twin](model, tree, images=images)
+    assert seen == [16 + 16 + 32]  # one call, every distinct image's patches once
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+    weighted(got, tree).backward()
+    err = float((grads(model) - want_grads).norm() / want_grads.norm())
+    assert err < 1e-6, err  # transformers' RMSNorm rounds its backward through float32 in a float64 model
+
+
+def test_text_only_rollouts_of_a_vision_language_model():
+    """No image at all: the tree of a VLM's text rollouts, positions counted per token as the model does."""
+    model = tiny_vl_model("qwen2.5-vl")
+    sequences = [[1, 3, 5, 6], [1, 3, 7], [1, 8, 9, 10]]
+    tree = dta_ref.PrefixTree.from_sequences(sequences)
+    got = dta_fast.tree_logprobs(model, tree)
+    want = each_rollout_alone(model, sequences, [None] * 3, [None] * 3)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_what_pack_images_refuses():
+    model = tiny_vl_model("qwen2.5-vl")
+    (a, grid_a), _, (c, grid_c) = pictures()
+    prompt = [1, 3] + image(4) + [5]
+    with pytest.raises(ValueError, match=r"placeholder runs of \[4\] tokens, its grids need \[8\]"):
+        dta_ref.pack_images(model, [prompt], [c], [grid_c])
+    with pytest.raises(ValueError, match="its grids hold 16 patches, its pixel_values 32"):
+        dta_ref.pack_images(model, [prompt], [c], [grid_a])
+    with pytest.raises(ValueError, match="one pixel_values and one image_grid_thw per rollout"):
+        dta_ref.pack_images(model, [prompt, prompt], [a], [grid_a])
+    with pytest.raises(TypeError, match="not a vision-language model"):
+        from tests.helpers import tiny_family_model
+
+        dta_ref.pack_images(tiny_family_model("llama"), [prompt], [a], [grid_a])
+    tree, images = dta_ref.pack_images(model, [prompt], [a], [grid_a])
+    other = dta_ref.PrefixTree.from_sequences([prompt + [6]])
+    with pytest.raises(ValueError, match="pack the images with the tree"):
+        dta_fast.tree_logprobs(model, other, images=images)
+    with pytest.raises(TypeError, match="TreeImages of dta_ref.pack_images"):
+        dta_ref.tree_logprobs(model, tree, images={"pixel_values": a})
