@@ -7,6 +7,7 @@ import torch
 from dta_ref.adapter import adapt
 from dta_ref.checks import check_temperature
 from dta_ref.losses import TokenLoss
+from dta_ref.multimodal import pack_images
 from dta_ref.padded import PaddedLayout
 
 from .logprobs import gather_logprobs_chunked, packed_hidden
@@ -15,7 +16,7 @@ from .tree import build_tree
 
 def block_logprobs_and_entropy(
     model, input_ids, attention_mask, first_column: int, temperature: float = 1.0, vocab_head=None,
-    router_aux_loss: bool = False,
+    router_aux_loss: bool = False, images=None,
 ):  # fmt: skip
     """Logprobs and entropies [B, L - first_column] of a padded batch's tokens from ``first_column`` on.
 
@@ -26,7 +27,9 @@ def block_logprobs_and_entropy(
     MoE model's load-balancing loss over the rows' tokens, that of the padded
     batch (else None). A row whose block has a token
     but nothing before it is refused: that token has no context to be
-    scored from (a logprob of 0 would read as a certain token).
+    scored from (a logprob of 0 would read as a certain token). ``images``:
+    a vision-language model's ``(pixel_values, image_grid_thw)`` per row,
+    packed with the rows by ``dta_ref.pack_images``.
     """
     temperature = check_temperature(temperature)
     layout = PaddedLayout.of(attention_mask)
@@ -37,10 +40,13 @@ def block_logprobs_and_entropy(
             f"row {int(no_prompt.nonzero()[0])} has no prompt token: its first response token has no context to "
             "be scored from"
         )
-    tree = build_tree(layout.sequences(input_ids))
+    sequences = layout.sequences(input_ids)
+    tree, packed = build_tree(sequences), None
+    if images is not None:
+        tree, packed = pack_images(model, sequences, *images)
     wanted = layout.to_tree(block, first_column, fill=False)
     head = adapt(model).head
-    hidden, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss)
+    hidden, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss, images=packed)
     out = gather_logprobs_chunked(
         hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head
     )

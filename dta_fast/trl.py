@@ -203,10 +203,11 @@ class TreeGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        if any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
+        images = self._images_per_row(input_ids, **multimodal)
+        if images is None and any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
             warnings.warn(
-                "TreeGRPOTrainer: multimodal inputs are not on the tree path; this batch is scored by "
-                "GRPOTrainer's own path",
+                "TreeGRPOTrainer: these multimodal inputs are not on the tree path (it takes Qwen-VL's "
+                "pixel_values, image_grid_thw and num_images); this batch is scored by GRPOTrainer's own path",
                 stacklevel=2,
             )
             return super()._get_per_token_logps_and_entropies(
@@ -227,14 +228,33 @@ class TreeGRPOTrainer(GRPOTrainer):
             rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
                 lp, ent, tree, aux = block_logprobs_and_entropy(
-                    model, input_ids[rows], attention_mask[rows], first, self.temperature, head, compute_aux_loss
-                )
+                    model, input_ids[rows], attention_mask[rows], first, self.temperature, head, compute_aux_loss,
+                    images=None if images is None else tuple(x[rows] for x in images),
+                )  # fmt: skip
             self._log_compression(tree)
             logps.append(lp)
             entropies.append(ent)
             aux_losses.append(aux)
         aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None  # per slice, as GRPOTrainer
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, aux_loss
+
+    _QWEN_VL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+
+    def _images_per_row(self, input_ids, **multimodal):
+        """Qwen-VL's image inputs (one pixel_values and image_grid_thw for the batch, num_images per row)
+        split per row, for the tree; None when the batch has none, or inputs of another kind."""
+        if multimodal.get("pixel_values") is None or multimodal.get("image_grid_thw") is None:
+            return None
+        if any(multimodal.get(n) is not None for n in self._UNSUPPORTED_INPUTS if n not in self._QWEN_VL_INPUTS):
+            return None
+        types = multimodal.get("mm_token_type_ids")
+        if types is not None and bool((types > 1).any()):
+            raise ValueError("TreeGRPOTrainer takes images on the tree path, not videos")
+        grids, counts = multimodal["image_grid_thw"], multimodal.get("num_images")
+        counts = [len(grids)] if counts is None and input_ids.size(0) == 1 else list(counts)
+        grids_per_row = list(torch.split(grids, counts))
+        patches = torch.split(multimodal["pixel_values"], [int(g.prod(-1).sum()) for g in grids_per_row])
+        return list(patches), grids_per_row
 
     def _tree_sampling(self) -> dict:
         """speculative_sample's arguments from GRPOTrainer's generation config; what it cannot draw exactly
@@ -284,6 +304,11 @@ class TreeGRPOTrainer(GRPOTrainer):
         # evaluation (prediction_step, under no_grad) only scores: GRPOTrainer's loss on the packed logprobs
         if chunking is None or not torch.is_grad_enabled():
             return super()._compute_loss(model, inputs)
+        if inputs.get("pixel_values") is not None:
+            raise ValueError(
+                "tree_memory_budget_bytes / tree_max_chunk_tokens / tree_scope='optimizer_step' train text only: a "
+                "batch with images trains on the packed path (leave those options unset)"
+            )
         if self._entropy_bonus_enabled:
             raise ValueError(
                 "tree_memory_budget_bytes / tree_max_chunk_tokens / tree_scope='optimizer_step' train through "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .adapter import adapt
 from .tree import PrefixTree
 
 
@@ -49,6 +50,7 @@ def pack_images(model, sequences, pixel_values, image_grid_thw) -> tuple[PrefixT
     [images_i, 3]; a rollout without images has an empty grid. Rollout i's placeholder runs must match
     its grids (t h w / merge^2 placeholders each, merge the vision tower's spatial merge size).
     """
+    model = adapt(model).core  # the Hugging Face model inside PEFT's, DDP's or torch.compile's wrapper
     config = _vl_config(model)
     placeholder, merge = config.image_token_id, config.vision_config.spatial_merge_size
     sequences = [list(map(int, s)) for s in sequences]

@@ -472,3 +472,99 @@ def test_generation_from_the_tree_cache(sampled, tmp_path, monkeypatch):
         assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
         assert torch.cat([u.flatten() for u in updates.values()]).norm() > 0
         assert any(entry.get("tree/accepted_draft_tokens", 0) > 0 for entry in logs)
+
+
+def image_processor_in_code():
+    """A Qwen2.5-VL processor built in code for the tiny VLM: a word-level tokenizer whose special tokens
+    are the model's image ids, a patch-2 / merge-2 image processor, and a chat template that writes an
+    image part as its placeholder."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    from tests.helpers import IMAGE, VISION_END, VISION_START
+
+    special = {0: "<pad>", 1: "<s>", 2: "</s>", IMAGE: "<|image_pad|>", 71: "<|video_pad|>",
+               VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>", 79: "<unk>"}  # fmt: skip
+    vocab = {special.get(i, f"w{i}"): i for i in range(80)}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()])
+    # left padding, as TRL loads a processor itself: its token types must line up with TRL's left-padded prompts
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left", truncation_side="left",
+    )  # fmt: skip
+    template = (
+        "{{ bos_token }}{% for message in messages %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    )
+    images = Qwen2VLImageProcessorPil(
+        patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=16, max_pixels=4096,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+
+    class ImageProcessor(Qwen2_5_VLProcessor):  # images only: no video processor (which needs torchvision)
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+    return ImageProcessor(images, tokenizer, chat_template=template)
+
+
+def image_prompts():
+    """Conversational prompts with one small random image each (8 x 8: 4 placeholders; 16 x 8: 8)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, (h, w) in enumerate([(8, 8), (8, 16), (16, 8), (8, 8)]):
+        picture = Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8), mode="RGB")
+        content = [{"type": "image"}, {"type": "text", "text": f"w{5 + k} w{6 + k}"}]
+        rows.append({"prompt": [{"role": "user", "content": content}], "image": picture})
+    return datasets.Dataset.from_list(rows * 2)
+
+
+def test_image_prompts_as_grpo_trainer(tmp_path):
+    """A Qwen2.5-VL policy on image prompts: TreeGRPOTrainer scores each micro-batch's rows as one tree, each
+    distinct image through the vision tower once, and logs and trains as GRPOTrainer (SGD, 3 steps: the
+    same losses and parameters, the vision tower's included); the chunked path refuses images by name."""
+    from tests.helpers import tiny_vl_model
+
+    def run(trainer_cls, config_cls, out, **overrides):
+        torch.manual_seed(0)
+        trainer = trainer_cls(
+            model=tiny_vl_model("qwen2.5-vl", torch.float32, seed=3),
+            reward_funcs=lambda completions, **kw: [float(len(str(c))) % 3 for c in completions],
+            args=config(
+                config_cls, out, per_device_train_batch_size=4, num_generations=2, max_completion_length=4, **overrides
+            ),  # fmt: skip
+            train_dataset=image_prompts(),
+            processing_class=image_processor_in_code(),
+        )
+        initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        encoded = []
+        visual = trainer.model.model.visual
+        forward = visual.forward
+        visual.forward = lambda x, **kw: encoded.append(len(x)) or forward(x, **kw)
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        updates = {n: p.detach() - initial[n] for n, p in trainer.model.named_parameters()}
+        return logs, updates, encoded, trainer
+
+    base_logs, base_updates, base_encoded, _ = run(GRPOTrainer, GRPOConfig, tmp_path / "base")
+    tree_logs, tree_updates, encoded, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree")
+    assert len(base_logs) == len(tree_logs) == 3
+    for base, tree in zip(base_logs, tree_logs, strict=True):
+        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
+    base_update = torch.cat([u.flatten() for u in base_updates.values()])
+    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
+    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+    vision = torch.cat([u.flatten() for n, u in tree_updates.items() if ".visual." in n])
+    assert vision.norm() > 0  # the vision tower trains through the tree
+    # a micro-batch's 4 rows hold 2 distinct images (a prompt's 2 generations share theirs): the tree encodes
+    # each once, where GRPOTrainer encodes every row's (generation encodes every row's in both)
+    assert sum(encoded) < sum(base_encoded)
+    assert all(entry["tree/compression_ratio"] > 1 for entry in tree_logs)
+    with pytest.raises(ValueError, match="a batch with images trains on the packed path"):
+        run(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", tree_max_chunk_tokens=8, max_steps=1)
