@@ -242,7 +242,9 @@ def test_lora_checkpointed_tree_backward_with_small_head_windows(monkeypatch):
     model = checkpointing(lora_model("qwen2", seed=12), reentrant=False)
     choose, windows = dta_fast.chunked.engine.choose_plan, []
     monkeypatch.setattr(
-        dta_fast.chunked.engine, "choose_plan", lambda *args: dataclasses.replace(choose(*args), logits_rows=2)
+        dta_fast.chunked.engine,
+        "choose_plan",
+        lambda *args, **kwargs: dataclasses.replace(choose(*args, **kwargs), logits_rows=2),
     )
 
     def recording(hidden, head, head_rows, *args):
