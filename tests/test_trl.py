@@ -144,9 +144,9 @@ def test_tree_grpo_trainer_matches_grpo_trainer(case, tmp_path, monkeypatch):
     scored, trained = [], []  # rows of each scored block; the options of each chunked backward
     score, backward = tree_trl.block_logprobs_and_entropy, tree_trl.tree_backward
 
-    def scoring(model, input_ids, *args):
+    def scoring(model, input_ids, *args, **kwargs):
         scored.append(len(input_ids))
-        return score(model, input_ids, *args)
+        return score(model, input_ids, *args, **kwargs)
 
     def training(*args, **options):
         trained.append(options)
