@@ -86,6 +86,16 @@ def train(trainer_cls, config_cls, tmp_path, model, peft_config=None, loss_scale
     return logs, initial, updates
 
 
+def assert_same_training(base_logs, base_updates, tree_logs, tree_updates, steps=3):
+    """TreeGRPOTrainer logged GRPOTrainer's losses and moved every parameter as it did."""
+    assert len(base_logs) == len(tree_logs) == steps
+    for base, tree in zip(base_logs, tree_logs, strict=True):
+        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
+    base_update = torch.cat([u.flatten() for u in base_updates.values()])
+    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
+    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+
+
 def lora():
     from peft import LoraConfig
 
@@ -400,14 +410,9 @@ def test_moe_router_aux_loss_as_grpo_trainer(tmp_path):
     options = dict(router_aux_loss_coef=0.5)
     base_logs, base_start, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path, **options)
     tree_logs, tree_start, tree_updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path, **options)
-    assert len(base_logs) == len(tree_logs) == 3
+    assert_same_training(base_logs, base_updates, tree_logs, tree_updates)
     for base, tree in zip(base_logs, tree_logs, strict=True):
-        assert base["aux_loss"] > 0
-        assert tree["aux_loss"] == pytest.approx(base["aux_loss"], rel=1e-5)
-        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
-    base_update = torch.cat([u.flatten() for u in base_updates.values()])
-    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
-    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+        assert base["aux_loss"] > 0 and tree["aux_loss"] == pytest.approx(base["aux_loss"], rel=1e-5)
     with pytest.raises(ValueError, match="router's auxiliary loss"):
         train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=8, **options)
 
@@ -424,12 +429,7 @@ def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
     path = str(tmp_path / "model")
     base_logs, _, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path)
     tree_logs, _, tree_updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path)
-    assert len(base_logs) == len(tree_logs) == 3
-    for base, tree in zip(base_logs, tree_logs, strict=True):
-        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
-    base_update = torch.cat([u.flatten() for u in base_updates.values()])
-    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
-    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+    assert_same_training(base_logs, base_updates, tree_logs, tree_updates)
     with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
         train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=4, max_steps=1)
 
@@ -554,12 +554,7 @@ def test_image_prompts_as_grpo_trainer(tmp_path):
 
     base_logs, base_updates, base_encoded, _ = run(GRPOTrainer, GRPOConfig, tmp_path / "base")
     tree_logs, tree_updates, encoded, trainer = run(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree")
-    assert len(base_logs) == len(tree_logs) == 3
-    for base, tree in zip(base_logs, tree_logs, strict=True):
-        assert tree["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-6)
-    base_update = torch.cat([u.flatten() for u in base_updates.values()])
-    tree_update = torch.cat([tree_updates[n].flatten() for n in base_updates])
-    assert base_update.norm() > 0 and (tree_update - base_update).norm() <= 1e-4 * base_update.norm()
+    assert_same_training(base_logs, base_updates, tree_logs, tree_updates)
     vision = torch.cat([u.flatten() for n, u in tree_updates.items() if ".visual." in n])
     assert vision.norm() > 0  # the vision tower trains through the tree
     # a micro-batch's 4 rows hold 2 distinct images (a prompt's 2 generations share theirs): the tree encodes
