@@ -217,7 +217,8 @@ def _eager_of(module):
 
 def _router(original):
     def attention(module, query, key, value, attention_mask, *args, dta_attend=None, **kwargs):
-        if dta_attend is not None:
+        # only the decoder's layers attend on the tree: a vision tower's attention in the same call keeps its own
+        if dta_attend is not None and getattr(dta_attend, "routes", lambda module: True)(module):
             return _tree_attention(module, query, key, value, dta_attend, **kwargs)
         fn = original if original is not None else _eager_of(module)
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
@@ -256,6 +257,8 @@ def hf_hidden_states(
         return attend(layer, *args, **kwargs)
 
     counted.linear, counted.linear_calls = linear, dict.fromkeys(LINEAR_FUNCTIONS.values(), 0)
+    decoder_modules = {id(m) for layer in layers_of(model) for m in layer.modules()}
+    counted.routes = lambda module: id(module) in decoder_modules
 
     decoder = decoder_of(model)
     no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
@@ -284,9 +287,9 @@ def hf_hidden_states(
 
 
 def _multimodal_trunk(model, images, input_ids, extra):
-    """A vision-language model's multimodal trunk, its rotary positions and inputs: the image features
-    computed here, once per distinct image and outside the tree's route (the vision tower's own attention
-    is not the tree's), for the trunk to place at the placeholders."""
+    """A vision-language model's multimodal trunk, its rotary positions and inputs: the distinct images,
+    which its vision tower encodes once each and the trunk places at the placeholders (the tower's own
+    attention calls are not routed to the tree: ``routes`` below)."""
     trunk = getattr(model, "model", None)
     if not callable(getattr(trunk, "get_image_features", None)):
         raise TypeError(f"{type(model).__name__} takes no images: it has no multimodal trunk with a vision tower")
@@ -295,10 +298,10 @@ def _multimodal_trunk(model, images, input_ids, extra):
             f"images.position_ids must be [3, {input_ids.shape[-1]}] (one per packed token), got "
             f"{tuple(images.position_ids.shape)}"
         )
-    encoded = {}
-    if len(images.image_grid_thw):
-        encoded["image"] = trunk.get_image_features(images.pixel_values, images.image_grid_thw, return_dict=True)
-    return trunk, images.position_ids[:, None], dict(extra, mm_encoder_outputs=encoded)
+    if not len(images.image_grid_thw):
+        return trunk, images.position_ids[:, None], extra
+    return trunk, images.position_ids[:, None], dict(extra, pixel_values=images.pixel_values,
+                                                     image_grid_thw=images.image_grid_thw)  # fmt: skip
 
 
 def router_aux_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:
