@@ -474,43 +474,6 @@ def test_generation_from_the_tree_cache(sampled, tmp_path, monkeypatch):
         assert any(entry.get("tree/accepted_draft_tokens", 0) > 0 for entry in logs)
 
 
-def image_processor_in_code():
-    """A Qwen2.5-VL processor built in code for the tiny VLM: a word-level tokenizer whose special tokens
-    are the model's image ids, a patch-2 / merge-2 image processor, and a chat template that writes an
-    image part as its placeholder."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
-
-    from tests.helpers import IMAGE, VISION_END, VISION_START
-
-    special = {0: "<pad>", 1: "<s>", 2: "</s>", IMAGE: "<|image_pad|>", 71: "<|video_pad|>",
-               VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>", 79: "<unk>"}  # fmt: skip
-    vocab = {special.get(i, f"w{i}"): i for i in range(80)}
-    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    words.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()])
-    # left padding, as TRL loads a processor itself: its token types must line up with TRL's left-padded prompts
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        padding_side="left", truncation_side="left",
-    )  # fmt: skip
-    template = (
-        "{{ bos_token }}{% for message in messages %}{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-        "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endfor %}"
-    )
-    images = Qwen2VLImageProcessorPil(
-        patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=16, max_pixels=4096,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )  # fmt: skip
-
-    class ImageProcessor(Qwen2_5_VLProcessor):  # images only: no video processor (which needs torchvision)
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
-
-    return ImageProcessor(images, tokenizer, chat_template=template)
-
-
 def image_prompts():
     """Conversational prompts with one small random image each (8 x 8: 4 placeholders; 16 x 8: 8)."""
     import numpy as np
@@ -529,7 +492,7 @@ def test_image_prompts_as_grpo_trainer(tmp_path):
     """A Qwen2.5-VL policy on image prompts: TreeGRPOTrainer scores each micro-batch's rows as one tree, each
     distinct image through the vision tower once, and logs and trains as GRPOTrainer (SGD, 3 steps: the
     same losses and parameters, the vision tower's included); the chunked path refuses images by name."""
-    from tests.helpers import tiny_vl_model
+    from tests.helpers import image_processor_in_code, tiny_vl_model
 
     def run(trainer_cls, config_cls, out, **overrides):
         torch.manual_seed(0)

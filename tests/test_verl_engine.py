@@ -406,3 +406,90 @@ def test_what_the_tree_does_not_compute_is_refused(checkpoints, change, message)
     change(td)
     with pytest.raises(ValueError, match=message):
         w.infer_batch(td)
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+@pytest.fixture(scope="module")
+def vl_checkpoint(tmp_path_factory):
+    """A tiny Qwen2.5-VL policy (vision tower of patch 2, merging 2 x 2 patches per token), with a tokenizer."""
+    from tests.helpers import image_processor_in_code, tiny_vl_model
+
+    path = tmp_path_factory.mktemp("vl")
+    tiny_vl_model("qwen2.5-vl", torch.float32, seed=1).save_pretrained(path)
+    image_processor_in_code().tokenizer.save_pretrained(path)
+    return path
+
+
+def image_rollout_batch(model, seed=0, **flags):
+    """Two prompts with an image each (4 x 4 and 4 x 8 patches), two rollouts each, laid out as verl's
+    trainer hands them over: left-padded prompts, right-padded responses, ``multi_modal_inputs`` per row,
+    and positions [4, L] per row (the text count over the model's own multimodal rotary positions)."""
+    from tests.helpers import IMAGE, VISION_END, VISION_START
+
+    g = torch.Generator().manual_seed(seed)
+    pictures = [(torch.randn(16, 12, generator=g), torch.tensor([[1, 4, 4]])),
+                (torch.randn(32, 12, generator=g), torch.tensor([[1, 4, 8]]))]  # fmt: skip
+    prompts = [[1, VISION_START] + [IMAGE] * 4 + [VISION_END, 5, 6], [1, VISION_START] + [IMAGE] * 8 + [VISION_END, 9]]
+    responses = [[20, 21, 22], [20, 23], [30, 31], [32]]
+    width = max(map(len, prompts))
+    ids, mask, inputs = [], [], []
+    for k, response in enumerate(responses):
+        prompt = prompts[k // 2]
+        ids.append([PAD] * (width - len(prompt)) + prompt + response + [PAD] * (3 - len(response)))
+        mask.append([0] * (width - len(prompt)) + [1] * (len(prompt) + len(response)) + [0] * (3 - len(response)))
+        pixels, grid = pictures[k // 2]
+        inputs.append({"pixel_values": pixels, "image_grid_thw": grid})
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+    rotary, _ = model.model.get_rope_index(
+        ids, (ids == IMAGE).int(), image_grid_thw=torch.cat([x["image_grid_thw"] for x in inputs]), attention_mask=mask
+    )
+    text = torch.clip(mask.cumsum(-1) - 1, min=0)
+    positions = torch.cat([text[None], rotary]).transpose(0, 1)  # [B, 4, L]
+    response_mask = mask[:, width:]
+    batch = {
+        "input_ids": ids, "attention_mask": mask, "position_ids": positions, "prompts": ids[:, :width],
+        "responses": ids[:, width:], "response_mask": response_mask, "multi_modal_inputs": inputs,
+        "old_log_probs": (-4.0 + 0.3 * torch.randn(response_mask.shape, generator=g)) * response_mask,
+        "advantages": torch.randn(len(responses), 1, generator=g).expand_as(response_mask) * response_mask,
+    }  # fmt: skip
+    td = left_right_2_no_padding(tu.get_tensordict(batch))
+    tu.assign_non_tensor(td, global_token_num=mask.sum(-1).tolist(), **flags)
+    return td
+
+
+def test_images_in_the_tree_engine_equal_verls(vl_checkpoint):
+    """A Qwen2.5-VL policy with image prompts: log-probabilities and the SGD update, vision tower included,
+    of the tree engine are verl's engine's; each distinct image through the tower once."""
+    config = actor_config(loss_agg_mode="token-mean")
+    got, after = {}, {}
+    # verl's engine with padding removal patches Qwen2.5-VL's attention with a flash-attention forward (no
+    # CPU build); the tree engine leaves verl's patches out, so it runs with padding removal on, and first
+    for tree in (True, False):
+        w = worker(vl_checkpoint, "language_model", tree, loss_config=config, remove_padding=tree)
+        model = w.engine.module
+        td = image_rollout_batch(model, calculate_entropy=True, compute_loss=False, temperature=1.0)
+        got[tree] = [no_padding_2_padding(tu.get(w.infer_batch(td), k), td) for k in ("log_probs", "entropy")]
+        start = parameters(w)
+        encoded, forward = [], model.model.visual.forward
+        model.model.visual.forward = lambda x, e=encoded, f=forward, **kw: e.append(len(x)) or f(x, **kw)
+        flags = update_flags()
+        flags.update(global_batch_size=4, mini_batch_size=4)
+        w.train_mini_batch(image_rollout_batch(model, **flags))
+        after[tree] = parameters(w)
+        if tree:  # micro-batches of 4 rows: two distinct images, 16 + 32 patches, once
+            assert encoded and all(n == 48 for n in encoded), encoded
+    mask = image_rollout_batch(w.engine.module)["response_mask"].bool()
+    for tree_out, verl_out in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(tree_out[mask], verl_out[mask], rtol=1e-5, atol=1e-5)
+    close_parameters(after[True], after[False], start)
+    assert any(float((after[True][n] - start[n]).norm()) > 0 for n in start if ".visual." in n)
+
+
+def test_videos_are_refused():
+    rows = [{"pixel_values": torch.zeros(16, 12), "image_grid_thw": torch.tensor([[1, 4, 4]])},
+            {"pixel_values_videos": torch.zeros(16, 12), "video_grid_thw": torch.tensor([[1, 4, 4]])}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"take images .pixel_values, image_grid_thw., not \['pixel_values_videos'"):
+        tree_engines._images_per_row({"multi_modal_inputs": rows})
+    assert tree_engines._images_per_row({"multi_modal_inputs": [None, {}]}) is None  # text rows only

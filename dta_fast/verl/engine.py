@@ -18,8 +18,10 @@ does in every worker::
     actor_rollout_ref.model.external_lib=dta_fast.verl.engine
     critic.model.external_lib=dta_fast.verl.engine
 
-What the tree cannot compute exactly is refused by name: Ulysses sequence
-parallelism, multimodal inputs and 3-D (mrope) positions, top-k
+Images (Qwen-VL's ``multi_modal_inputs``) are packed with the rollouts, each
+distinct image encoded once (``dta_ref.pack_images``), verl's multimodal
+positions checked to be the model's own. What the tree cannot compute
+exactly is refused by name: Ulysses sequence parallelism, videos, top-k
 distillation, the sum of squared probabilities, routing replay, positions
 that do not count each rollout's tokens from 0, and temperatures that differ
 between rollouts of one micro-batch.
@@ -33,15 +35,18 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp import transformer_impl
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 from verl.workers.engine.utils import detach_tree
 
 from dta_ref.adapter import adapt, call_as_forward
+from dta_ref.multimodal import pack_images
 from dta_ref.values import gather_tree_values, value_head_of
 
 from ..logprobs import gather_logprobs_chunked, packed_hidden
 from ..tree import build_tree
 
+_IMAGE_INPUTS = {"pixel_values", "image_grid_thw"}
 # flags of a micro-batch naming outputs or inputs the tree does not compute
 _REFUSED_FLAGS = {
     "distillation_use_topk": "top-k distillation",
@@ -57,6 +62,16 @@ class _TreeForwardStep:
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         _keep_groups_together(data)
         return super().forward_backward_batch(data, loss_function, forward_only)
+
+    def _build_module(self):
+        # verl patches models for its padding-free path (Qwen2-VL's attention with a flash-attention forward
+        # of its own, which would keep the decoder's attention off the tree); the tree runs its own packed
+        # forward, so the engine builds the model without them
+        patch, transformer_impl.apply_monkey_patch = transformer_impl.apply_monkey_patch, lambda **kwargs: None
+        try:
+            return super()._build_module()
+        finally:
+            transformer_impl.apply_monkey_patch = patch
 
     def _autocast(self):
         # as verl's forward_step: autocast to the FSDP parameter dtype, none at float32
@@ -86,7 +101,7 @@ class TreeFSDPEngineWithLMHead(_TreeForwardStep, FSDPEngineWithLMHead):
         model, head = self.module, adapt(self.module).head  # FSDP2 shards the model in place
 
         def tree_forward():
-            hidden, tree, _ = packed_hidden(model, rollouts.tree)
+            hidden, tree, _ = packed_hidden(model, rollouts.tree, images=rollouts.images)
             return gather_logprobs_chunked(
                 hidden, head, tree, temperature=temperature, entropy=entropy, mask=rollouts.scored
             )
@@ -110,7 +125,7 @@ class TreeFSDPEngineWithValueHead(_TreeForwardStep, FSDPEngineWithValueHead):
         head = value_head_of(model)
 
         def tree_forward():
-            hidden, tree, _ = packed_hidden(model, rollouts.tree)
+            hidden, tree, _ = packed_hidden(model, rollouts.tree, images=rollouts.images)
             return gather_tree_values(hidden, head, tree)
 
         with self._autocast():
@@ -119,11 +134,11 @@ class TreeFSDPEngineWithValueHead(_TreeForwardStep, FSDPEngineWithValueHead):
 
 
 class _Rollouts:
-    """A micro-batch's rollouts: their prefix tree, the (rollout, step) entries its loss reads, and the
-    way back to verl's jagged layout."""
+    """A micro-batch's rollouts: their prefix tree (and images), the (rollout, step) entries its loss reads,
+    and the way back to verl's jagged layout."""
 
-    def __init__(self, tree, lengths, offsets, scored):
-        self.tree, self.lengths, self.offsets, self.scored = tree, lengths, offsets, scored
+    def __init__(self, tree, lengths, offsets, scored, images=None):
+        self.tree, self.lengths, self.offsets, self.scored, self.images = tree, lengths, offsets, scored, images
 
     @classmethod
     def of(cls, micro_batch, engine) -> _Rollouts:
@@ -133,16 +148,14 @@ class _Rollouts:
             raise ValueError("the tree engines read verl's no-padding micro-batches: input_ids must be jagged")
         offsets = input_ids.offsets()
         lengths = offsets.diff()
-        if position_ids.dim() != 2:
-            raise ValueError(
-                f"position_ids must be [batch, length]: multimodal 3-D positions (mrope) are not supported by "
-                f"the tree engines, got {position_ids.dim()} dimensions"
-            )
-        count = torch.arange(int(offsets[-1]), device=offsets.device) - torch.repeat_interleave(offsets[:-1], lengths)
-        if not torch.equal(position_ids.values(), count.to(position_ids.device)):
-            raise ValueError("position_ids must count the tokens of each rollout from 0 (verl's text positions)")
-        tree = build_tree(list(input_ids.unbind()))
-        return cls(tree, lengths, offsets, _response_steps(micro_batch, lengths, tree.max_length - 1))
+        sequences = [row.tolist() for row in input_ids.unbind()]
+        images = _images_per_row(micro_batch)
+        if images is None:
+            tree, packed = build_tree(sequences), None
+        else:
+            tree, packed = pack_images(engine.module, sequences, *images)
+        _check_positions(position_ids, offsets, lengths, tree, packed)
+        return cls(tree, lengths, offsets, _response_steps(micro_batch, lengths, tree.max_length - 1), packed)
 
     def jagged(self, values: torch.Tensor, pad: int = 0) -> torch.Tensor:
         """Per-(rollout, step) ``values`` [N, W] as verl's jagged [N, length_i], ``pad`` zero columns added."""
@@ -150,6 +163,46 @@ class _Rollouts:
         lengths = self.lengths.to(values.device)
         keep = torch.arange(values.shape[1], device=values.device) < lengths[:, None]
         return torch.nested.nested_tensor_from_jagged(values[keep], self.offsets.to(values.device))
+
+
+def _images_per_row(micro_batch):
+    """verl's ``multi_modal_inputs`` (one dict per rollout) as each rollout's (pixel_values, image_grid_thw);
+    None for a text micro-batch. Videos are refused."""
+    rows = micro_batch.get("multi_modal_inputs", None) if "multi_modal_inputs" in micro_batch.keys() else None
+    if rows is None:
+        return None
+    rows = [getattr(row, "data", row) or {} for row in rows]
+    if not any(row.get("pixel_values") is not None for row in rows):
+        return None
+    other = sorted({key for row in rows for key, value in row.items() if value is not None} - _IMAGE_INPUTS)
+    if other:
+        raise ValueError(f"the tree engines take images (pixel_values, image_grid_thw), not {other}")
+    pixels = [row.get("pixel_values", torch.zeros(0)) for row in rows]
+    grids = [row.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)) for row in rows]
+    return pixels, grids
+
+
+def _check_positions(position_ids, offsets, lengths, tree, images) -> None:
+    """verl's positions must be the tree's: each rollout's token count (text), or for a vision-language
+    micro-batch its text count over the model's multimodal rotary positions ([4, length] per rollout)."""
+    count = torch.arange(int(offsets[-1]), device=offsets.device) - torch.repeat_interleave(offsets[:-1], lengths)
+    if images is None:  # text: each position counts the rollout's tokens (on every axis of a VLM's)
+        rows = [position_ids.values()] if position_ids.dim() == 2 else position_ids.unbind()
+        spans = [count] if position_ids.dim() == 2 else [count[offsets[i] : offsets[i + 1]] for i in range(len(rows))]
+        if not all(bool((given == span.to(given.device)).all()) for given, span in zip(rows, spans, strict=True)):
+            raise ValueError("position_ids must count the tokens of each rollout from 0 (verl's text positions)")
+        return
+    if position_ids.dim() != 3:
+        raise ValueError("a micro-batch with images needs verl's multimodal positions [batch, 4, length]")
+    for i, given in enumerate(position_ids.unbind()):
+        given = given.to(images.position_ids.device)
+        want = images.position_ids[:, tree.seq_index[i, : int(lengths[i])].to(images.position_ids.device)]
+        if given.shape[0] == 4:  # verl's text positions over the three rotary axes
+            text, given = given[0], given[1:]
+            if not torch.equal(text, count[offsets[i] : offsets[i + 1]].to(text.device)):
+                raise ValueError(f"rollout {i}: its text positions do not count its tokens from 0")
+        if not torch.equal(given, want):
+            raise ValueError(f"rollout {i}: verl's multimodal positions are not the model's own (get_rope_index)")
 
 
 def _response_steps(micro_batch, lengths, width: int) -> torch.Tensor | None:
@@ -202,8 +255,6 @@ def _refuse_what_the_tree_cannot_compute(micro_batch, engine) -> None:
     for flag, what in _REFUSED_FLAGS.items():
         if tu.get_non_tensor_data(data=micro_batch, key=flag, default=False):
             raise ValueError(f"the tree engines do not compute {what}")
-    if len(micro_batch.get("multi_modal_inputs", [])):
-        raise ValueError("multimodal inputs are not supported by the tree engines (text models only)")
 
 
 def _one_temperature(temperature) -> float:
