@@ -250,15 +250,7 @@ def hf_hidden_states(
     packed tokens' multimodal rotary positions, which replace ``position_ids``."""
     route_attention(model.config._attn_implementation)
     route_linear_attention(model)
-    routed = set()
-
-    def counted(layer, *args, **kwargs):
-        routed.add(layer)
-        return attend(layer, *args, **kwargs)
-
-    counted.linear, counted.linear_calls = linear, dict.fromkeys(LINEAR_FUNCTIONS.values(), 0)
-    decoder_modules = {id(m) for layer in layers_of(model) for m in layer.modules()}
-    counted.routes = lambda module: id(module) in decoder_modules
+    counted = _Route(model, attend, linear)
 
     decoder = decoder_of(model)
     no_mask = torch.empty(1, 1, 0, 0, device=input_ids.device)  # 4-D: used as it is, never built
@@ -270,7 +262,7 @@ def hf_hidden_states(
         **extra,
     )  # fmt: skip
     linear_layers = linear_layers_of(model)
-    missing = sorted(set(range(len(layers_of(model)))) - routed - set(linear_layers))
+    missing = sorted(set(range(len(layers_of(model)))) - counted.attended - set(linear_layers))
     if any(calls != len(linear_layers) for calls in counted.linear_calls.values()):
         raise TypeError(
             f"the linear-attention layers of {type(model).__name__} did not each call their convolution and delta "
@@ -284,6 +276,24 @@ def hf_hidden_states(
     if not output_router_logits:
         return out.last_hidden_state
     return out.last_hidden_state, out.get("router_logits")  # a key of the output, not always a field
+
+
+class _Route:
+    """What one tree forward's ``dta_attend`` carries to the routers: the attention of the decoder's layers
+    (``routes``: a vision tower's attention in the same call is not the tree's) and the linear-attention
+    layers' convolution and delta rule (``linear``), counting who called."""
+
+    def __init__(self, model, attend, linear):
+        self.attend, self.linear = attend, linear
+        self.attended, self.linear_calls = set(), dict.fromkeys(LINEAR_FUNCTIONS.values(), 0)
+        self._decoder = {id(m) for layer in layers_of(model) for m in layer.modules()}
+
+    def routes(self, module) -> bool:
+        return id(module) in self._decoder
+
+    def __call__(self, layer, *args, **kwargs):
+        self.attended.add(layer)
+        return self.attend(layer, *args, **kwargs)
 
 
 def _multimodal_trunk(model, images, input_ids, extra):
