@@ -17,8 +17,9 @@ from dta_ref.linear_attention import TreeLinearMixing as _Reference
 from dta_ref.linear_attention import _check_one_row, _check_whole_forest
 
 
-def segments(parent: torch.Tensor) -> list[tuple[int, int, int]]:
-    """The forest's unbranched segments in preorder: (start, end, parent segment index or -1)."""
+def segments(parent: torch.Tensor, cut_after=()) -> list[tuple[int, int, int]]:
+    """The forest's unbranched segments in preorder: (start, end, parent segment index or -1). A token in
+    ``cut_after`` ends its segment too (its state is wanted on its own)."""
     parent = parent.tolist()
     children = [0] * len(parent)
     for p in parent:
@@ -26,7 +27,7 @@ def segments(parent: torch.Tensor) -> list[tuple[int, int, int]]:
             children[p] += 1
     out, segment_of = [], [0] * len(parent)
     for t, p in enumerate(parent):
-        if p >= 0 and p == t - 1 and children[p] == 1:
+        if p >= 0 and p == t - 1 and children[p] == 1 and p not in cut_after:
             out[-1][1] = t + 1  # t continues its parent's segment
         else:
             out.append([t, t + 1, segment_of[p] if p >= 0 else -1])

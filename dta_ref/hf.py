@@ -93,9 +93,8 @@ def linear_module_of(model, index: int):
 
 
 LINEAR_REFUSED = (
-    "linear-attention layers need the recurrent state of each token's path, which this path does not carry: "
-    "they run on whole forests (tree_logprobs, tree_values, tree_backward in one chunk, trainers' packed "
-    "scoring), not on chunks with a cached prefix nor in KV-cached sampling"
+    "linear-attention layers need the recurrent state of each token's path, which the KV-cached samplers do "
+    "not carry: sample hybrids with dta_ref.sample (each context whole)"
 )
 
 

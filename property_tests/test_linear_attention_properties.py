@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
+import dta_fast  # noqa: E402
 import dta_fast.linear_attention as fast  # noqa: E402
 import dta_ref  # noqa: E402
 import dta_ref.linear_attention as ref  # noqa: E402
@@ -135,3 +136,27 @@ def test_a_cached_state_or_packed_offsets_are_refused():
         mixing.delta_rule(modeling.torch_chunk_gated_delta_rule, **inputs, initial_state=torch.zeros(1, HV, DK, DV))
     with pytest.raises(ValueError, match="packed-sequence offsets"):
         mixing.delta_rule(modeling.torch_chunk_gated_delta_rule, **inputs, cu_seqlens=torch.tensor([0, 3]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    rollout_sets(max_sequences=6, max_len=10),
+    st.integers(1, 12),
+    st.booleans(),
+    st.sampled_from(["qwen3.5", "qwen3-next"]),
+)
+def test_hybrid_chunks_equal_each_rollout_alone(sequences, chunk, recompute, family):
+    """tree_backward on a hybrid in chunks of any size (states and convolution inputs read across chunks,
+    kept or recomputed): logprobs and gradients of each rollout alone through the model's own forward
+    (which computes its delta rule in float32, hence 3e-5)."""
+    from tests.helpers import assert_grads_close, param_grads, tiny_family_model
+
+    model = tiny_family_model(family, torch.float64)
+    tree = dta_ref.PrefixTree.from_sequences(sequences)
+    flat = dta_ref.flat_logprobs(model, sequences)
+    expected = param_grads(model, dta_ref.sft_loss(flat, tree.logprob_mask, "sequence_mean"))
+    lp, _ = dta_fast.tree_backward(
+        model, tree, dta_ref.SFTLoss(tree.logprob_mask, "sequence_mean"), max_chunk_tokens=chunk, recompute=recompute
+    )
+    torch.testing.assert_close(lp, flat.detach(), rtol=0, atol=3e-5)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, expected, rel=3e-5)

@@ -56,7 +56,7 @@ def assert_same(got_lp, got_grads, want_lp, want_grads, rel: float, what: str):
 def test_reference_tree_equals_each_rollout_alone(family, rollouts):
     """dta_ref.tree_logprobs (explicit masks) and tree_backward in one chunk and in small chunks: the
     logprobs and parameter gradients of each rollout alone (float64 models; transformers computes norms
-    and routers in float32 inside, hence 1e-6). Linear-attention hybrids train in one chunk only."""
+    and routers in float32 inside, hence 1e-6). Hybrids' chunks read recurrent states across chunks."""
     sequences = ROLLOUT_SETS[rollouts]
     tree = PrefixTree.from_sequences(sequences)
     model = tiny_family_model(family, torch.float64)
@@ -73,10 +73,6 @@ def test_reference_tree_equals_each_rollout_alone(family, rollouts):
     loss = WeightedLoss(tree)
     for chunk in (None, 5, 13):
         model.zero_grad(set_to_none=True)
-        if family in LINEAR_FAMILIES and chunk is not None:  # a chunk's prefix would need recurrent states
-            with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
-                dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk)
-            continue
         logprobs, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk)
         assert_same(logprobs, grads(model), want_lp, want_grads, rel, f"tree_backward, chunks of {chunk}")
 

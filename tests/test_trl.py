@@ -419,8 +419,8 @@ def test_moe_router_aux_loss_as_grpo_trainer(tmp_path):
 
 def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
     """A Qwen3.5 policy (a Gated DeltaNet layer before an attention layer): TreeGRPOTrainer's losses and
-    parameters are GRPOTrainer's (SGD, 3 steps); its chunked path, which would need the recurrent state at
-    each chunk's prefix, is refused by name."""
+    parameters are GRPOTrainer's (SGD, 3 steps), packed and in chunks of 4 tokens (recurrent states read
+    across chunks)."""
     from tests.helpers import tiny_family_model
 
     model = tiny_family_model("qwen3.5", torch.float32, "sdpa", seed=3)
@@ -430,8 +430,10 @@ def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
     base_logs, _, base_updates = train(GRPOTrainer, GRPOConfig, tmp_path / "base", path)
     tree_logs, _, tree_updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "tree", path)
     assert_same_training(base_logs, base_updates, tree_logs, tree_updates)
-    with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
-        train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=4, max_steps=1)
+    chunked_logs, _, chunked_updates = train(
+        TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=4
+    )
+    assert_same_training(base_logs, base_updates, chunked_logs, chunked_updates)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])

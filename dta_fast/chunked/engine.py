@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -24,6 +24,7 @@ import torch
 
 from dta_ref.adapter import adapt
 from dta_ref.checks import check_tree
+from dta_ref.hf import linear_layers_of, linear_module_of
 from dta_ref.logprobs import logprob_dtype
 from dta_ref.losses import TokenLoss
 from dta_ref.tree import PrefixTree
@@ -33,6 +34,7 @@ from ..dispatch import tree_attend, uses_kernel
 from ..linear_attention import TreeLinearMixing
 from ..logprobs import HeadRows, LogprobPairs, head_logprobs, head_weight, window_rows
 from .budget import choose_plan
+from .linear import ChunkLinearMixing, ChunkLinks
 from .options import checked_options
 from .plan import ChunkPlan
 
@@ -97,11 +99,13 @@ class _ChunkPass:
 
     hidden: torch.Tensor  # [n, hidden] final hidden states
     logprobs: torch.Tensor  # [pairs] logprobs of its (sequence, step) pairs
+    linear: ChunkLinearMixing | None = None  # its linear-attention layers' reads and exports
 
 
 @dataclass
 class _OpenChunk:
     layers: dict  # layer index -> _LayerKV
+    linear: dict = field(default_factory=dict)  # linear-attention layer index -> LinearStore
     graph: _ChunkPass | None = None  # kept from the forward when the plan says so
     rng: _RngState | None = None  # where its forward began drawing, when it will be redone (dropout)
 
@@ -163,6 +167,18 @@ class ChunkEngine:
         )
         self.out = out_logprobs
         self.open: dict[int, _OpenChunk] = {}
+        # linear-attention layers: each one's convolution weight names it; which states cross chunks
+        core = self.adapter.core if self.adapter.is_hf else None
+        linear = linear_layers_of(core) if core is not None else []
+        self.linear_layer_of = {id(linear_module_of(core, i).conv1d.weight): i for i in linear}
+        if linear and plan.num_chunks > 1:
+            if plan.checkpoint_layers or self.adapter.checkpointed_layers:
+                raise ValueError(
+                    "linear-attention layers in several chunks read and export recurrent states from their "
+                    "forward, which activation checkpointing would redo: train hybrids in chunks without "
+                    "checkpointed layers (checkpoint_layers=False, the model's gradient checkpointing off)"
+                )
+            self.links = ChunkLinks(tree.parent.cpu().numpy(), plan.start, plan.stop)
         self.cuda_devices = tuple(sorted({p.device for p in model.parameters() if p.is_cuda}, key=str))
 
     def rng_state(self) -> _RngState:
@@ -210,12 +226,18 @@ class ChunkEngine:
             loss = seed(self.span(c), chunk_pass.logprobs)
             roots.append(loss)
             grads.append(torch.ones_like(loss))
+        if chunk_pass.linear is not None:  # its exported states and inputs, with what its descendants left on them
+            for root, grad in chunk_pass.linear.roots():
+                roots.append(root)
+                grads.append(grad)
         # a root that needs no gradient is left out: the hidden states when only the head trains, all of
         # them when nothing in the model does
         trained = [(root, grad) for root, grad in zip(roots, grads) if root.requires_grad]
         if trained:  # not under a caller's autocast: a backward runs in its forward's dtypes
             with torch.autocast(chunk_pass.hidden.device.type, enabled=False):
                 torch.autograd.backward(*zip(*trained))
+        if chunk_pass.linear is not None:
+            chunk_pass.linear.send_gradients()
         del self.open[c]
 
     def span(self, c: int) -> slice:
@@ -248,8 +270,10 @@ class ChunkEngine:
             # reentrant checkpointing warns of a forward without gradients; this one needs none
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
-            # a chunk without a prefix is a whole sub-forest: its linear-attention layers start from zero states
-            linear = TreeLinearMixing(self.tree.parent[a:b] - a) if P == 0 else None
+            linear = None
+            if self.linear_layer_of:  # the path's convolution inputs and states from the open chunks
+                linear = ChunkLinearMixing(self, c, self.linear_layer_of) if self.plan.num_chunks > 1 else None
+                linear = linear or TreeLinearMixing(self.tree.parent[a:b] - a)  # one chunk: the whole forest
             hidden = self.adapter.hidden_states(ids, positions, attend, self.plan.checkpoint_layers, linear=linear)[0]
             span = self.span(c)
             rows = self.head_rows[c]
@@ -257,7 +281,7 @@ class ChunkEngine:
                 logprobs = head_logprobs(hidden, self.head, rows, self.pairs.targets[span], self.temperature)
             else:  # a critic: one value per token
                 logprobs = token_values(self.head, hidden[rows.unique])[rows.inverse]
-        return _ChunkPass(hidden, logprobs)
+        return _ChunkPass(hidden, logprobs, linear if isinstance(linear, ChunkLinearMixing) else None)
 
 
 def tree_backward(
