@@ -1,12 +1,15 @@
 """One training step (forward + backward) of a Hugging Face model, per-sequence vs tree.
 
-    python benchmarks/bench_training.py speed  [--model qwen2-0.5b] [--batches grpo agentic]
+    python benchmarks/bench_training.py speed  [--model qwen2-0.5b] [--batches grpo agentic] [--critic]
     python benchmarks/bench_training.py memory [--model qwen3-1.7b]
     python benchmarks/bench_training.py plan   [--model qwen2-0.5b]     # CPU
 
-Models are shapes.MODELS built with random weights (bfloat16, SDPA attention); batches are
-shapes.ROLLOUTS (``--batches`` names: grpo, grpo2k, agentic, irregular). The loss is the token-mean SFT
-loss over every next-token logprob, the same for every method. Methods:
+Models are shapes.MODELS built with random weights (bfloat16, SDPA attention; MoE experts as transformers
+runs them by default; hybrids' linear-attention layers by flash-linear-attention where it is installed);
+batches are shapes.ROLLOUTS (``--batches`` names: grpo, grpo2k, agentic, agentic1, irregular). The loss is the
+token-mean SFT loss over every next-token logprob, the same for every method; with ``--critic`` the model
+is a critic (a token classifier of one label) and the loss PPO's clipped value loss over every token's
+value (``dta_ref.ValueLoss``, random returns). Methods:
 
   flat         each sequence alone, SDPA (causal), gradient accumulation
   flat_ckpt    the same with activation checkpointing
@@ -45,12 +48,14 @@ import torch
 import dta_fast
 from dta_fast.chunked import Forest, MemoryModel, checked_options, chunk_tokens_for_budget, plan_chunks, plan_for_budget
 from dta_fast.chunked.budget import choose_plan
-from dta_ref import PrefixTree, SFTLoss, sft_loss
+from dta_ref import PrefixTree, SFTLoss, ValueLoss, sft_loss, value_loss
+from dta_ref.values import value_head_of
 
 BATCHES = {  # --batches name -> shapes.ROLLOUTS key
     "grpo": "grpo_p8k_n16_r1k",
     "grpo2k": "grpo_p2k_n8_r1k",
     "agentic": "agentic_4x4x8",
+    "agentic1": "agentic_1x4x8",
     "irregular": "agentic_irregular",
 }
 GRAD_TOLERANCE = 5e-2
@@ -64,11 +69,19 @@ def batch(name: str, vocab_size: int) -> tuple[str, list[list[int]]]:
 
 
 def step_flops(model, tokens, pairs, logit_rows):
-    """Training FLOPs: 6 per parameter per token (embeddings excluded), attention, vocabulary projection."""
+    """Training FLOPs: 6 per parameter a token meets (embeddings excluded; of the routed experts, the
+    share a token is routed to), softmax attention over its layers, the vocabulary projection."""
     cfg = model.config
-    dense = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
-    attention = 12 * pairs * cfg.head_dim * cfg.num_attention_heads * cfg.num_hidden_layers
-    head = 6 * logit_rows * cfg.hidden_size * cfg.vocab_size
+    routed = getattr(cfg, "num_experts_per_tok", 1) / getattr(cfg, "num_experts", 1)
+    dense = sum(
+        p.numel() * (routed if ".experts." in n else 1)
+        for n, p in model.named_parameters()
+        if "embed" not in n and "lm_head" not in n
+    )
+    layers = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    attention_layers = sum(t != "linear_attention" for t in layers)
+    attention = 12 * pairs * cfg.head_dim * cfg.num_attention_heads * attention_layers
+    head = 6 * logit_rows * cfg.hidden_size * cfg.vocab_size if model.get_output_embeddings() is not None else 0
     return 6 * dense * tokens + attention + head
 
 
@@ -83,17 +96,25 @@ def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def is_critic(model) -> bool:
+    return model.get_output_embeddings() is None
+
+
 def flat_step(model, chains, loss_fn, checkpointing=False):
     """Each sequence alone: forward, its loss term, backward (gradient accumulation). ``chains``: each
     sequence as a one-sequence tree (built once, outside the step)."""
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     head = model.get_output_embeddings()
-    out = torch.zeros(len(chains), max(c.num_tokens for c in chains) - 1, device=device_of(model))
+    width = max(c.num_tokens for c in chains) - (0 if is_critic(model) else 1)
+    out = torch.zeros(len(chains), width, device=device_of(model))
     try:
         for i, chain in enumerate(chains):
-            hidden = model.model(input_ids=chain.tokens[None], use_cache=False).last_hidden_state[0]
-            lp = dta_fast.gather_logprobs_chunked(hidden, head, chain)[0]
+            if is_critic(model):  # one value per token
+                lp = model(input_ids=chain.tokens[None], use_cache=False).logits[0, :, 0]
+            else:
+                hidden = model.model(input_ids=chain.tokens[None], use_cache=False).last_hidden_state[0]
+                lp = dta_fast.gather_logprobs_chunked(hidden, head, chain)[0]
             loss_fn(i, lp).backward()
             out[i, : lp.numel()] = lp.detach()
     finally:
@@ -104,18 +125,34 @@ def flat_step(model, chains, loss_fn, checkpointing=False):
 
 def flat_kernel_step(model, chains, loss_fn):
     """Each sequence alone, attention by the tree kernel on its chain: flat's numerics with our kernel."""
-    out = torch.zeros(len(chains), max(c.num_tokens for c in chains) - 1, device=device_of(model))
+    width = max(c.num_tokens for c in chains) - (0 if is_critic(model) else 1)
+    out = torch.zeros(len(chains), width, device=device_of(model))
     for i, chain in enumerate(chains):
-        lp = dta_fast.tree_logprobs(model, chain)[0]
+        lp = (dta_fast.tree_values if is_critic(model) else dta_fast.tree_logprobs)(model, chain)[0]
         loss_fn(i, lp).backward()
         out[i, : lp.numel()] = lp.detach()
     return out
 
 
-def packed_step(model, tree, mask):
-    lp = dta_fast.tree_logprobs(model, tree)
-    sft_loss(lp, mask.to(lp.device)).backward()
+def packed_step(model, tree, packed_loss):
+    lp = (dta_fast.tree_values if is_critic(model) else dta_fast.tree_logprobs)(model, tree)
+    packed_loss(lp).backward()
     return lp.detach()
+
+
+def losses(tree: PrefixTree, critic: bool):
+    """(``loss_fn(i, outputs_i)``, the same loss on the batch's [N, L] outputs) of every method: the SFT
+    loss, or for a critic PPO's clipped value loss on every token with seeded random returns."""
+    if not critic:
+        mask = tree.logprob_mask
+        return SFTLoss(mask), lambda lp: sft_loss(lp, mask.to(lp.device))
+    g = torch.Generator().manual_seed(0)
+    mask = tree.seq_index >= 0
+    returns, old = torch.randn(mask.shape, generator=g), 0.3 * torch.randn(mask.shape, generator=g)
+    clip = 0.2
+    return ValueLoss(old, returns, mask, clip=clip), lambda v: value_loss(
+        v, old.to(v.device), returns.to(v.device), mask.to(v.device), clip=clip
+    )
 
 
 def timed_step(model, fn):
@@ -153,8 +190,9 @@ def tree_options(args, num_tokens):
 
 def describe_plan(model, tree, options):
     """The plan tree_backward will pick with ``options`` (call with the gradients unset, as in the step)."""
-    plan = choose_plan(model, tree, device_of(model), checked_options(**options))
-    memory = MemoryModel.of(model)
+    head = value_head_of(model) if is_critic(model) else None
+    plan = choose_plan(model, tree, device_of(model), checked_options(**options), head=head)
+    memory = MemoryModel.of(model, head)
     return dict(
         chunk_tokens=plan.size,
         recompute=plan.recompute,
@@ -199,14 +237,13 @@ def speed_row(model, model_name: str, key: str, name: str, sequences, args, fixe
     then the timed steps round-robin. ``fixed_bytes``: the weights and their gradients."""
     tree = dta_fast.build_tree(sequences)
     chains = [PrefixTree.from_sequences([s]).to(device_of(model)) for s in sequences]
-    mask = tree.logprob_mask
     flat_flops, tree_flops = flat_and_tree_flops(model, tree, sequences)
-    loss_fn = SFTLoss(mask)
+    loss_fn, packed_loss = losses(tree, is_critic(model))
     methods = {
         "flat": lambda: flat_step(model, chains, loss_fn),
         "flat_ckpt": lambda: flat_step(model, chains, loss_fn, checkpointing=True),
         "flat_kernel": lambda: flat_kernel_step(model, chains, loss_fn),
-        "packed": lambda: packed_step(model, tree, mask),
+        "packed": lambda: packed_step(model, tree, packed_loss),
     }
     options = tree_options(args, tree.num_tokens)
     methods.update({label: None for label in options})
@@ -215,7 +252,7 @@ def speed_row(model, model_name: str, key: str, name: str, sequences, args, fixe
     row = dict(
         batch=name,
         rollouts=BATCHES.get(key, key),
-        model=model_name,
+        model=model_name + (" critic" if is_critic(model) else ""),
         sequences=tree.num_sequences,
         flat_tokens=tree.flat_tokens,
         tree_tokens=tree.num_tokens,
@@ -592,6 +629,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", nargs="*", type=float, default=[], help="budget rows at these fractions of flat's peak")
     p.add_argument("--flat-repeats", type=int, default=None, help="repeats of flat (default: --repeats)")
     p.add_argument("--skip", nargs="*", default=[], help="methods to leave out (flat always runs)")
+    p.add_argument("--critic", action="store_true", help="train the model as a critic: value head, value loss")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
     return p
 
@@ -610,7 +648,7 @@ def main(argv=None):
         )
         print_plan(rows, tree, args.model)
         return
-    model = shapes.build_model(args.model)
+    model = shapes.build_model(args.model, head="value" if args.critic else "lm")
     if args.mode == "speed":
         batches = {key: batch(key, model.config.vocab_size) for key in args.batches}
         rows = speed(model, args.model, batches, args)

@@ -186,6 +186,7 @@ ROLLOUTS: dict[str, RolloutSet] = {
     "grpo_8x_p2k_n8_r1k": Grpo(2048, 8, 1024, groups=8),
     "grpo_mixed_16": GrpoMixed(),
     # agentic
+    "agentic_1x4x8": Agentic(1, 4, 8),
     "agentic_4x4x8": Agentic(4, 4, 8),
     "agentic_8x4x8": Agentic(8, 4, 8),
     "agentic_16x4x8": Agentic(16, 4, 8),
@@ -279,7 +280,7 @@ ATTENTION: dict[str, list[AttentionCase]] = {
 class ModelShape:
     """A decoder's shape; ``build`` makes it with random weights (Hugging Face transformers)."""
 
-    family: str  # qwen2, qwen3 or llama
+    family: str  # a transformers model type: qwen2, qwen3, llama, qwen3_moe, qwen3_5_text, ...
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -297,11 +298,6 @@ class ModelShape:
     def config(self, **overrides):
         import transformers
 
-        classes = {
-            "qwen2": transformers.Qwen2Config,
-            "qwen3": transformers.Qwen3Config,
-            "llama": transformers.LlamaConfig,
-        }
         fields = dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -314,29 +310,55 @@ class ModelShape:
             attention_dropout=0.0,
             max_position_embeddings=65536,
         )
-        return classes[self.family](**{**fields, **self.extra, **overrides})
+        return transformers.AutoConfig.for_model(self.family, **{**fields, **self.extra, **overrides})
 
-    def build(self, device="cuda", dtype=None, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
-        """The model in training mode, weights drawn from ``seed`` (bfloat16 unless ``dtype``)."""
+    def build(
+        self, device="cuda", dtype=None, attn_implementation: str = "sdpa", seed: int = 0, head: str = "lm", **overrides
+    ):
+        """The model in training mode, weights drawn from ``seed`` (bfloat16 unless ``dtype``); ``head="value"``
+        builds it as a critic (a token classifier of one label)."""
         import torch
         import transformers
 
-        classes = {
-            "qwen2": transformers.Qwen2ForCausalLM,
-            "qwen3": transformers.Qwen3ForCausalLM,
-            "llama": transformers.LlamaForCausalLM,
-        }
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        auto = transformers.AutoModelForCausalLM if head == "lm" else transformers.AutoModelForTokenClassification
+        critic = dict(num_labels=1, classifier_dropout=0.0)  # no dropout, as RL trainers train critics
+        config = self.config(**overrides, **({} if head == "lm" else critic))
         torch.manual_seed(seed)
         with torch.device(device):
-            model = classes[self.family]._from_config(
-                self.config(**overrides), attn_implementation=attn_implementation, dtype=dtype or torch.bfloat16
-            )
+            model = auto.from_config(config, attn_implementation=attn_implementation, dtype=dtype or torch.bfloat16)
         return model.train()
 
 
 MODELS: dict[str, ModelShape] = {
     "qwen2-0.5b": ModelShape("qwen2", 896, 4864, 24, 14, 2, 64, 151936),
     "qwen3-1.7b": ModelShape("qwen3", 2048, 6144, 28, 16, 8, 128, 151936),
+    # Qwen3-30B-A3B's layers, halved in depth and experts to train on one H100: 8.3B parameters, 2.0B active
+    "qwen3-moe-8b-a2b": ModelShape(
+        "qwen3_moe",
+        2048,
+        6144,
+        24,
+        32,
+        4,
+        128,
+        151936,
+        tie_word_embeddings=False,
+        extra=dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    ),  # fmt: skip
+    # a Qwen3.5 hybrid text model (three Gated DeltaNet layers to one attention layer), 2B-sized
+    "qwen3.5-2b": ModelShape(
+        "qwen3_5_text",
+        2048,
+        6144,
+        24,
+        8,
+        2,
+        256,
+        151936,
+        extra=dict(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6),
+    ),  # fmt: skip
     # bench_rollout.py's policy: a small Llama (24.1M parameters) over a 512-token vocabulary
     "llama-24m": ModelShape(
         "llama", 512, 1408, 8, 8, 4, 64, 512, tie_word_embeddings=False, extra=dict(max_position_embeddings=4096)

@@ -2,14 +2,19 @@
 
 Same results as ``dta_ref.linear_attention.TreeLinearMixing`` (its twin): the convolution is the same
 gather along parent pointers; the delta rule runs each unbranched segment of the forest (a maximal run
-of tokens each the only child of the one before) through the layer's own chunked kernel, the
-flash-linear-attention kernel where transformers loaded it, else its PyTorch form, starting from the
-final state of the segment's parent. A segment's parent ends a segment (a token with one child
-continues it), so in preorder every segment finds its initial state already computed; autograd sums a
-forked state's gradient over the segments that start from it.
+of tokens each the only child of the one before) through the layer's own chunked kernel, starting from
+the final state of the segment's parent. A segment's parent ends a segment (a token with one child
+continues it), so every segment of one level (its depth in the tree of segments) finds its initial
+state computed once the levels above it ran: on CUDA with flash-linear-attention (the kernel
+transformers loads for these layers where it is installed) each level is one variable-length call,
+else each segment is one call of the model's PyTorch form, in preorder. Autograd sums a forked state's
+gradient over the segments that start from it.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from functools import cache
 
 import torch
 
@@ -35,8 +40,63 @@ def segments(parent: torch.Tensor, cut_after=()) -> list[tuple[int, int, int]]:
     return [tuple(x) for x in out]
 
 
+@cache
+def _fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def levels(segs: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Segment indices by level: roots first, then every segment whose parent is in the level above."""
+    depth, out = [], []
+    for _, _, parent in segs:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        if depth[-1] == len(out):
+            out.append([])
+        out[depth[-1]].append(len(depth) - 1)
+    return out
+
+
+def run_segments(original, query, key, value, g, beta, segs, entering, use_qk_l2norm_in_kernel, varlen=None):
+    """The delta rule over ``segs`` (``segments()``' records): each starts from its parent segment's final
+    state, or a root from ``entering[i]`` (a state from outside, or None: zeros). Returns the output over
+    all tokens and each segment's final state [1, H, K, V]. ``varlen`` (default: on CUDA with
+    flash-linear-attention) runs each level in one variable-length call of ``original``."""
+    if varlen is None:
+        varlen = query.is_cuda and _fla_installed()
+    finals: list[torch.Tensor | None] = [None] * len(segs)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if not varlen:
+        outs = []
+        for i, (start, end, parent) in enumerate(segs):
+            initial = finals[parent] if parent >= 0 else entering[i]
+            q, k, v, g_, b = (t[:, start:end] for t in (query, key, value, g, beta))
+            out, finals[i] = original(q, k, v, g=g_, beta=b, initial_state=initial, **kw)
+            outs.append(out)
+        return torch.cat(outs, dim=1), finals
+    pieces = []  # (output of a level, its token index)
+    for level in levels(segs):
+        index = torch.cat([torch.arange(segs[i][0], segs[i][1]) for i in level]).to(query.device)
+        lengths = torch.tensor([0] + [segs[i][1] - segs[i][0] for i in level])
+        initial = [finals[segs[i][2]] if segs[i][2] >= 0 else entering[i] for i in level]
+        known = next((x for x in initial if x is not None), None)
+        if known is not None:  # a root without a state starts from zeros, as None does
+            initial = torch.cat([torch.zeros_like(known) if x is None else x for x in initial])
+        else:
+            initial = None
+        q, k, v, g_, b = (t[:, index] for t in (query, key, value, g, beta))
+        cu_seqlens = lengths.cumsum(0).to(query.device)
+        level_out, level_final = original(q, k, v, g=g_, beta=b, initial_state=initial, cu_seqlens=cu_seqlens, **kw)
+        pieces.append((level_out, index))
+        for j, i in enumerate(level):
+            finals[i] = level_final[j : j + 1]
+    out = torch.zeros(value.shape[:-1] + pieces[0][0].shape[-1:], dtype=pieces[0][0].dtype, device=value.device)
+    for level_out, index in pieces:
+        out = out.index_copy(1, index, level_out)
+    return out, finals
+
+
 class TreeLinearMixing(_Reference):
-    """Twin of ``dta_ref.linear_attention.TreeLinearMixing``, the delta rule one segment per kernel call."""
+    """Twin of ``dta_ref.linear_attention.TreeLinearMixing``, the delta rule by ``run_segments``."""
 
     _segments = None
 
@@ -48,13 +108,8 @@ class TreeLinearMixing(_Reference):
         _check_one_row("the delta rule's query", query)
         if self._segments is None:  # once per forward, on the first linear-attention layer
             self._segments = segments(self.parent)
-        outs, finals = [], []
-        for start, end, parent in self._segments:
-            out, final = original(
-                query[:, start:end], key[:, start:end], value[:, start:end], g=g[:, start:end],
-                beta=beta[:, start:end], initial_state=finals[parent] if parent >= 0 else None,
-                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            )  # fmt: skip
-            outs.append(out)
-            finals.append(final)
-        return torch.cat(outs, dim=1), None
+        out, _ = run_segments(
+            original, query, key, value, g, beta, self._segments, [None] * len(self._segments),
+            use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        return out, None

@@ -60,6 +60,23 @@ def _grads(loss, leaves):
     return torch.autograd.grad(loss, list(leaves.values()))
 
 
+def _varlen(chunked):
+    """``chunked`` with flash-linear-attention's variable-length contract: ``cu_seqlens`` splits one row
+    into sequences, each starting from its row of ``initial_state`` [N, H, K, V]."""
+
+    def run(q, k, v, g, beta, initial_state=None, cu_seqlens=None, **kwargs):
+        outs, finals = [], []
+        for j, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            initial = None if initial_state is None else initial_state[j : j + 1]
+            x = (t[:, a:b] for t in (q, k, v, g, beta))
+            out, final = chunked(*x, initial_state=initial, **kwargs)
+            outs.append(out)
+            finals.append(final)
+        return torch.cat(outs, dim=1), torch.cat(finals)
+
+    return run
+
+
 @settings(max_examples=20, deadline=None)
 @given(rollout_sets(max_sequences=6, max_len=10), seeds())
 def test_delta_rule_on_the_tree_is_each_path_alone(sequences, seed):
@@ -78,18 +95,25 @@ def test_delta_rule_on_the_tree_is_each_path_alone(sequences, seed):
         alone[0, i, : len(path)] = out[0].detach()
         want_loss = want_loss + (out[0] * weights[i, : len(path)]).sum()
     want = _grads(want_loss, inputs)
-    for twin in (ref.TreeLinearMixing, fast.TreeLinearMixing):
-        out, final = twin(tree.parent).delta_rule(
-            modeling.torch_chunk_gated_delta_rule, **inputs, use_qk_l2norm_in_kernel=True
-        )
+    chunked = modeling.torch_chunk_gated_delta_rule
+    segs = fast.segments(tree.parent)
+    runs = {  # the reference, the fast twin, and the fast twin's level-by-level schedule
+        twin.__module__: lambda twin=twin: twin(tree.parent).delta_rule(chunked, **inputs, use_qk_l2norm_in_kernel=True)
+        for twin in (ref.TreeLinearMixing, fast.TreeLinearMixing)
+    } | {
+        "levels": lambda: (
+            fast.run_segments(_varlen(chunked), *inputs.values(), segs, [None] * len(segs), True, varlen=True)[0],
+            None,
+        ),
+    }
+    for twin, run in runs.items():
+        out, final = run()
         assert final is None and out.shape == (1, tree.num_tokens, HV, DV)
         for i, path in enumerate(_paths(tree)):
             torch.testing.assert_close(out[0, path].detach(), alone[0, i, : len(path)], rtol=2e-5, atol=2e-5)
         got = _grads(_loss(out, tree, seed), inputs)
         for name, a, b in zip(inputs, got, want, strict=True):
-            torch.testing.assert_close(
-                a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name, w=twin: f"{w.__module__} {n}: {m}"
-            )
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name, w=twin: f"{w} {n}: {m}")
 
 
 @settings(max_examples=20, deadline=None)

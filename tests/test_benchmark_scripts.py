@@ -266,6 +266,32 @@ def test_training_benchmark_runs_and_gates_on_the_cpu(tiny_model):
     bench_training.print_speed([row])
 
 
+TINY_SHAPES = {  # the model kinds bench_training.py measures beside the dense policy
+    "critic": (TINY_QWEN2, "value"),
+    "moe": (shapes.ModelShape("qwen3_moe", 32, 64, 2, 4, 2, 8, 300, extra=dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)), "lm"),
+    "hybrid": (shapes.ModelShape("qwen3_5_text", 32, 64, 2, 4, 2, 8, 300, extra=dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8)), "lm"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(TINY_SHAPES))
+def test_training_benchmark_runs_critics_moe_and_hybrids_on_the_cpu(kind):
+    import bench_training
+
+    shape, head = TINY_SHAPES[kind]
+    model = shape.build("cpu", dtype=torch.float32, head=head)
+    args = tiny_speed_args("--chunks", "0", "64", "--skip", "flat_ckpt", "flat_kernel")
+    batches = {"tiny": ("tiny GRPO", grpo_batch(1, 40, 3, 20, vocab_size=300))}
+    (row,) = bench_training.speed(model, "tiny", batches, args)
+    for label in ("packed", "tree_64", "tree_all"):
+        assert row["methods"][label]["gate_ok"] and "speedup" in row["methods"][label], (kind, label)
+        assert row["methods"][label]["grad_rel_err"] < 1e-4, (kind, label)
+    assert row["model"].endswith("critic") == (head == "value")
+    assert 1 < row["ideal_speedup"] < row["flat_tokens"] / row["tree_tokens"]
+
+
 def test_training_benchmark_plans_on_the_meta_device():
     import bench_training
 

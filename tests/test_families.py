@@ -189,6 +189,38 @@ def test_hybrid_samplers(family):
             sampler()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention's kernels need CUDA")
+def test_hybrid_on_flash_linear_attention_levels(monkeypatch):
+    """On CUDA with flash-linear-attention installed, the delta rule runs each level of segments in one
+    variable-length call (in chunks too, states entering from earlier chunks): logprobs and every
+    gradient of each rollout alone through the model's own (flash-linear-attention) forward."""
+    pytest.importorskip("fla")
+    import transformers
+
+    import dta_fast.linear_attention as linear
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().cuda().eval()
+    calls = []
+    monkeypatch.setattr(linear, "levels", lambda segs, f=linear.levels: calls.append(len(segs)) or f(segs))
+    for sequences in (GRPO, AGENTIC):
+        tree = PrefixTree.from_sequences(sequences)
+        want_lp, want_grads = each_rollout_alone(model, sequences, tree)
+        for chunk in (None, 7):
+            calls.clear()
+            model.zero_grad(set_to_none=True)
+            logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=chunk)
+            assert calls, "the levels were not batched"
+            assert_same(logprobs, grads(model), want_lp, want_grads, 5e-3, f"flash-linear-attention, chunks of {chunk}")
+
+
 def test_an_attention_keyword_the_tree_does_not_compute_is_refused():
     """A layer that passes its attention function a keyword the tree does not compute (a chunked-attention
     size, a non-causal call) is refused by name, never run as if it were plain attention."""

@@ -22,7 +22,7 @@ import torch
 
 from dta_ref.linear_attention import _check_one_row, _check_whole_forest
 
-from ..linear_attention import TreeLinearMixing, segments
+from ..linear_attention import TreeLinearMixing, run_segments, segments
 
 
 class LinearStore:
@@ -119,29 +119,21 @@ class ChunkLinearMixing(TreeLinearMixing):
         _check_one_row("the delta rule's query", query)
         own = self._store(self._layer)
         exports = self.engine.links.exports[self.c]
-        entering = {x: (owner, p) for x, owner, p in self._entries()}
-        outs, finals = [], []
-        for start, end, parent in segments(self.parent, cut_after=exports):
-            if parent >= 0:
-                initial = finals[parent]
-            elif start in entering:  # continues a token of an earlier chunk: its exported state
-                owner, p = entering[start]
-                store = self.engine.open[owner].linear[self._layer]
-                initial = store.states[p].clone().requires_grad_(torch.is_grad_enabled())
-                self.imports.append((initial, store, ("state", p)))
-            else:
-                initial = None
-            out, final = original(
-                query[:, start:end], key[:, start:end], value[:, start:end], g=g[:, start:end],
-                beta=beta[:, start:end], initial_state=initial, output_final_state=True,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            )  # fmt: skip
-            outs.append(out)
-            finals.append(final)
+        segs = segments(self.parent, cut_after=exports)
+        entering = [None] * len(segs)  # a root segment continuing a token of an earlier chunk: its state
+        starts = {start: i for i, (start, _, parent) in enumerate(segs) if parent < 0}
+        for x, owner, p in self._entries():
+            store = self.engine.open[owner].linear[self._layer]
+            entering[starts[x]] = store.states[p].clone().requires_grad_(torch.is_grad_enabled())
+            self.imports.append((entering[starts[x]], store, ("state", p)))
+        out, finals = run_segments(
+            original, query, key, value, g, beta, segs, entering, use_qk_l2norm_in_kernel
+        )  # fmt: skip
+        for (_, end, _), final in zip(segs, finals, strict=True):
             if end - 1 in exports:
                 own.states.setdefault(end - 1, final.detach())
                 self.exports.append((final, own, ("state", end - 1)))
-        return torch.cat(outs, dim=1), None
+        return out, None
 
     # ------------------------------------------------------------------ the backward's plumbing
 
