@@ -35,6 +35,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCRIPTS = [
     "bench_attention",
     "bench_training",
+    "bench_vl",
     "bench_distributed",
     "bench_rollout",
     "bench_trl",
@@ -290,6 +291,21 @@ def test_training_benchmark_runs_critics_moe_and_hybrids_on_the_cpu(kind):
         assert row["methods"][label]["grad_rel_err"] < 1e-4, (kind, label)
     assert row["model"].endswith("critic") == (head == "value")
     assert 1 < row["ideal_speedup"] < row["flat_tokens"] / row["tree_tokens"]
+
+
+def test_vl_benchmark_runs_and_gates_on_the_cpu():
+    """bench_vl.py on a tiny Qwen2.5-VL in float32: the packed tree (each image once) passes the gate."""
+    import bench_vl
+
+    from tests.helpers import tiny_vl_model
+
+    model = tiny_vl_model("qwen2.5-vl", torch.float32).train()
+    args = bench_vl.parser().parse_args(["--prompts", "2", "--group", "3", "--response", "5", "--image", "8"])
+    args.repeats, args.model = 1, "tiny"
+    row = bench_vl.run(model, args)
+    assert row["methods"]["tree"]["gate_ok"] and row["methods"]["tree"]["grad_rel_err"] < 1e-4
+    assert row["tree_tokens"] < row["flat_tokens"] and "speedup" in row["methods"]["tree"]
+    bench_vl.print_row(row)
 
 
 def test_training_benchmark_plans_on_the_meta_device():
