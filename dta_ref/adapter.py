@@ -34,6 +34,7 @@ from .hf import (
     hf_hidden_states,
     is_hf_model,
     layers_of,
+    linear_layers_of,
     logit_softcap_of,
     router_aux_loss,
     text_config_of,
@@ -56,6 +57,8 @@ class ModelShape:
     bytes_per_element: int
     qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3, OLMo-2, Gemma 3)
     v_head_dim: int = 0  # of values, where it differs from head_dim (MLA); 0: head_dim
+    experts_per_token: int = 0  # a mixture of experts' top-k; 0: a dense MLP
+    linear_layers: int = 0  # of ``layers``, the linear-attention (Gated DeltaNet) ones: they hold no K/V
 
     @property
     def value_dim(self) -> int:
@@ -250,6 +253,8 @@ class ModelAdapter:
             bytes_per_element=self._element_size(),
             qk_norm=attention is not None and hasattr(attention, "q_norm"),
             v_head_dim=getattr(cfg, "v_head_dim", None) or 0,
+            experts_per_token=getattr(cfg, "num_experts_per_tok", None) or 0,
+            linear_layers=len(linear_layers_of(self.core)),
         )
 
     def _element_size(self) -> int:

@@ -389,6 +389,33 @@ def test_checkpoint_layers_must_be_a_bool():
             dta_fast.estimated_step_bytes(model, tree, 4, True, bad)
 
 
+def test_memory_model_of_moe_and_hybrids():
+    """A mixture of experts keeps each token's dispatch to its k experts; a hybrid's linear-attention layers
+    hold convolution inputs, not K/V, and what their mixer saves is measured: the same for a weightless
+    (meta) model, measured on a CPU copy, as for the model itself, and more than nothing."""
+    import transformers
+
+    from dta_fast.chunked.memory import linear_mixer_bytes
+    from tests.helpers import tiny_family_model
+
+    moe, dense = tiny_family_model("qwen3-moe"), tiny_family_model("llama")
+    k = moe.config.num_experts_per_tok
+    shape = dta_ref.adapter.adapt(moe).shape
+    assert shape.experts_per_token == k and shape.intermediate == k * moe.config.moe_intermediate_size
+    hybrid = tiny_family_model("qwen3.5")
+    shape = dta_ref.adapter.adapt(hybrid).shape
+    mixer, conv = linear_mixer_bytes(hybrid)
+    assert shape.linear_layers == 1 and conv == hybrid.model.layers[0].linear_attn.conv1d.weight.shape[0]
+    assert mixer > conv * shape.bytes_per_element  # at least the convolution's input
+    with torch.device("meta"):
+        weightless = transformers.AutoModelForCausalLM.from_config(hybrid.config).to(torch.float64)
+    assert linear_mixer_bytes(weightless) == (mixer, conv)
+    memory = MemoryModel.of(hybrid)
+    attention_kv = shape.kv_heads * (shape.head_dim + shape.value_dim)
+    assert memory.kv == (attention_kv + conv) * shape.bytes_per_element  # one attention, one linear layer
+    assert memory.linear_backward == 2 * mixer and MemoryModel.of(dense).linear_backward == 0
+
+
 def test_estimate_counts_gradients_from_the_first_backward():
     """Gradients the step creates (unset before it) are left out of the first close's moment only:
     the estimate from unset gradients is at most the one with them set, and less by at most their

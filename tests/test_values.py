@@ -15,6 +15,7 @@ from tests.helpers import TINY_VOCAB, tiny_decoder, tiny_family_model
 
 SEQUENCES = dta_ref.grpo_batch(num_groups=2, prompt_len=6, num_responses=3, response_len=5, vocab_size=TINY_VOCAB)
 TREE = PrefixTree.from_sequences(SEQUENCES)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TWINS = {"ref": dta_ref.tree_values, "kernel": functools.partial(dta_fast.tree_values, attention_impl="kernel")}
 
 
@@ -64,11 +65,14 @@ def test_tree_values_equal_each_rollout_alone(index, twin):
     """Values [N, Lmax] and a clipped value loss's gradients: the tree's are each rollout alone's."""
     dtype = torch.float64 if twin == "ref" else torch.float32
     name, model, head = critics(dtype)[index]
+    if twin == "kernel":  # compiled on CUDA, interpreted on the CPU
+        model, head = model.to(DEVICE), None if head is None else head.to(DEVICE)
     want = dta_ref.flat_values(model, SEQUENCES, value_head=head)
     got = TWINS[twin](model, TREE, value_head=head)
     assert got.shape == (TREE.num_sequences, TREE.max_length)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert torch.equal(got[TREE.seq_index < 0], torch.zeros_like(got[TREE.seq_index < 0]))
+    padding = (TREE.seq_index < 0).to(got.device)
+    assert torch.equal(got[padding], torch.zeros_like(got[padding]))
     want_loss, want_grads = value_loss_and_grads(want, model, head)
     got_loss, got_grads = value_loss_and_grads(got, model, head)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-7)

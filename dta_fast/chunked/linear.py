@@ -72,7 +72,7 @@ class ChunkLinearMixing(TreeLinearMixing):
         a, b = int(engine.plan.start[c]), int(engine.plan.stop[c])
         parent = engine.tree.parent[a:b] - a
         super().__init__(torch.where(parent >= 0, parent, -1))
-        self.engine, self.c, self.layer_of, self._layer = engine, c, layer_of, None
+        self.engine, self.c, self.layer_of, self._layer, self._extended = engine, c, layer_of, None, None
         self.pieces = engine.plan.prefix(c)
         self.prefix = int(engine.plan.prefix_tokens[c])
         self.depth = engine.tree.position_ids
@@ -101,12 +101,23 @@ class ChunkLinearMixing(TreeLinearMixing):
         for s, p in zip(stored, self.pieces, strict=True):
             self.imports.append((leaf, s, ("conv", offset, p.lo, p.hi)))
             offset += p.hi - p.lo
-        P = self.prefix
-        parent = torch.cat([torch.arange(-1, P - 1), torch.where(self.parent >= 0, self.parent + P, -1)])
-        for x_local, owner, p_local in self._entries():  # an entry's parent is on the path, at its depth
-            parent[P + x_local] = int(self.depth[int(self.engine.plan.start[owner]) + p_local])
         extended = torch.cat([leaf.t()[None], x], dim=-1)
-        return TreeLinearMixing(parent).conv(original, extended, weight, bias, activation)[:, :, P:]
+        return TreeLinearMixing(self._path_and_chunk()).conv(original, extended, weight, bias, activation)[
+            :, :, self.prefix :
+        ]
+
+    def _path_and_chunk(self) -> torch.Tensor:
+        """Parent pointers of the path above the chunk (a chain, root first) and the chunk, as one forest
+        (once per chunk: every layer's convolution reads the same)."""
+        if self._extended is None:
+            P = self.prefix
+            own = self.parent.cpu()
+            parent = torch.cat([torch.arange(-1, P - 1), torch.where(own >= 0, own + P, -1)])
+            depth = self.depth.cpu() if torch.is_tensor(self.depth) else self.depth
+            for x_local, owner, p_local in self._entries():  # an entry's parent is on the path, at its depth
+                parent[P + x_local] = int(depth[int(self.engine.plan.start[owner]) + p_local])
+            self._extended = parent.to(self.parent.device)
+        return self._extended
 
     def _entries(self):
         return self.engine.links.entries[self.c]
@@ -119,7 +130,9 @@ class ChunkLinearMixing(TreeLinearMixing):
         _check_one_row("the delta rule's query", query)
         own = self._store(self._layer)
         exports = self.engine.links.exports[self.c]
-        segs = segments(self.parent, cut_after=exports)
+        if self._segments is None:  # once per chunk, on its first linear-attention layer
+            self._segments = segments(self.parent, cut_after=exports)
+        segs = self._segments
         entering = [None] * len(segs)  # a root segment continuing a token of an earlier chunk: its state
         starts = {start: i for i, (start, _, parent) in enumerate(segs) if parent < 0}
         for x, owner, p in self._entries():

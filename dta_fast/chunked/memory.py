@@ -3,6 +3,7 @@ shape (docs/chunked_execution.md, "Memory budget")."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from dta_ref.adapter import adapt
 from dta_ref.checks import check_flag, check_int, check_tree
+from dta_ref.hf import linear_layers_of, linear_module_of, text_config_of
 from dta_ref.logprobs import logprob_dtype
 from dta_ref.tree import PrefixTree
 
@@ -36,6 +38,7 @@ class MemoryModel:
     layer: int = 0  # one layer's activations and backward temporaries per token, while its backward recomputes it
     layer_kv: int = 0  # one layer's K/V per token: its copies for attention live as long
     model_checkpoints: bool = False  # the model checkpoints every layer itself (plans can only be so)
+    linear_backward: int = 0  # per chunk token: a linear-attention mixer's backward temporaries (twice what it saves)
 
     @classmethod
     def of(cls, model, head=None) -> MemoryModel:
@@ -50,12 +53,18 @@ class MemoryModel:
         # gradient's cast (z + w per logit), beside the one buffer the windows' weight gradients are
         # summed into (W)
         cast = w if w != z else 0
-        kv, size = shape.layers * shape.kv_heads * (shape.head_dim + shape.value_dim), shape.bytes_per_element
-        layer, trunk, own = _layer_bytes_per_token(shape), _trunk_bytes_per_token(shape), adapter.checkpointed_layers
+        size, own, linear = shape.bytes_per_element, adapter.checkpointed_layers, shape.linear_layers
+        mixer, conv = linear_mixer_bytes(adapter.core) if linear else (0, 0)
+        # K/V of the attention layers, the convolution inputs of the linear-attention ones (a chunk keeps both)
+        kv = (shape.layers - linear) * shape.kv_heads * (shape.head_dim + shape.value_dim) + linear * conv
+        layer, trunk = _layer_bytes_per_token(shape), _trunk_bytes_per_token(shape)
         checkpointed = shape.layers * shape.hidden * size + trunk + 2 * shape.head_dim * size  # + RoPE's cos, sin
+        # a linear-attention layer: its mixer as measured, the norms and the MLP as an attention layer's
+        linear_layer = _norms_and_mlp_bytes_per_token(shape) + mixer
+        saved = (shape.layers - linear) * layer + linear * linear_layer if own == 0 else (shape.layers - own) * layer
         return cls(
             # 2% over the closed form: what autograd saves beyond it (docs/design_notes.md, calibration)
-            activation=((shape.layers - own) * layer + own * shape.hidden * size + trunk) * 51 // 50,
+            activation=(saved + own * shape.hidden * size + trunk) * 51 // 50,
             kv=kv * size,
             kv_grad=kv * max(size, 4),
             head_row=(z + cast) * vocab,
@@ -66,8 +75,9 @@ class MemoryModel:
             checkpointed=checkpointed * 51 // 50,
             # ... and its backward's temporaries: about three MLP-intermediate-sized gradients
             layer=(layer + 3 * shape.intermediate * size) * 51 // 50,
-            layer_kv=kv * size // shape.layers,
+            layer_kv=kv * size // max(shape.layers - linear, 1),
             model_checkpoints=own == shape.layers,
+            linear_backward=2 * mixer,
         )
 
     def head(self, logits_rows: int | None = None) -> int:
@@ -105,7 +115,7 @@ class MemoryModel:
         else:
             alive = self.activation * plan.held + self.kv * (plan.held + plan.saved)
         if not plan.checkpoint_layers:
-            alive = alive + head
+            alive = alive + head + self.linear_backward * L
             alive[plan.first_close] -= self.new_grads
         alive = alive + self.kv_grad * plan.graded
         # the end of its backward: the open chunks' K/V, the accumulators it filled (those of every open
@@ -157,16 +167,60 @@ def _layer_bytes_per_token(shape) -> int:
     """What autograd saves per token in one decoder layer: two RMSNorms over the hidden size (each a
     float32 copy of its input and its output), the inputs of the attention and MLP projections, the
     queries and attention output, the chunk's own K/V, four MLP intermediates, and the query/key norms'
-    float32 copies where the model has them (Qwen3)."""
+    float32 copies where the model has them (Qwen3). A mixture of experts also keeps each token's
+    hidden state copied to its k experts and their k outputs before they are summed."""
     hidden, size = shape.hidden, shape.bytes_per_element
     per_head = (shape.head_dim + shape.value_dim) // 2  # a query (or K/V) head's and its output's width
     q, kv = shape.heads * per_head, shape.kv_heads * per_head
-    per_layer = (
-        2 * hidden * (4 + size) + 2 * hidden * size + 2 * q * size + 2 * kv * size + 4 * shape.intermediate * size
-    )
+    per_layer = _norms_and_mlp_bytes_per_token(shape) + hidden * size + 2 * q * size + 2 * kv * size
     if shape.qk_norm:
         per_layer += (q + kv) * (4 + size)
     return per_layer
+
+
+def _norms_and_mlp_bytes_per_token(shape) -> int:
+    """... of which the two norms, the MLP's input and intermediates, and a mixture's dispatch copies."""
+    hidden, size = shape.hidden, shape.bytes_per_element
+    dispatch = 2 * shape.experts_per_token * hidden
+    return 2 * hidden * (4 + size) + (hidden + 4 * shape.intermediate + dispatch) * size
+
+
+_MIXERS: dict = {}  # id of a linear-attention module -> (its module, what linear_mixer_bytes measured)
+PROBE_TOKENS = 128
+
+
+def linear_mixer_bytes(model) -> tuple[int, int]:
+    """(what autograd saves per token in one linear-attention mixer, its convolution's input width).
+
+    Measured, since it depends on the kernel the mixer runs (flash-linear-attention's or the modeling
+    file's PyTorch form): the first linear-attention layer's mixer runs a chain of ``PROBE_TOKENS``
+    tokens on its own device (a weightless model's on the CPU, with uninitialised weights) and the
+    storages it saves for backward are summed, the parameters' excluded. Once per module."""
+    module = linear_module_of(model, linear_layers_of(model)[0])
+    cached = _MIXERS.get(id(module))
+    if cached is not None and cached[0] is module:
+        return cached[1]
+    conv = module.conv1d.weight.shape[0]
+    probe = module
+    weight = next(module.parameters())
+    if weight.device.type == "meta":
+        probe = copy.deepcopy(module).to_empty(device="cpu")
+    params = {p.untyped_storage().data_ptr() for p in probe.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    hidden = text_config_of(model).hidden_size
+    x = torch.randn(1, PROBE_TOKENS, hidden, dtype=weight.dtype, device=next(probe.parameters()).device)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        probe(x.requires_grad_())
+    measured = (sum(saved.values()) // PROBE_TOKENS, conv)
+    _MIXERS[id(module)] = (module, measured)
+    return measured
 
 
 def _trunk_bytes_per_token(shape) -> int:
