@@ -219,6 +219,11 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
+    if options.get("images") is not None:  # packed for one tree; each rank's shard would need its own
+        raise ValueError(
+            "distributed_tree_backward takes no images: each rank trains its own shard's tree, which "
+            "dta_ref.pack_images would have to build from that shard; use tree_backward(images=) per rank"
+        )
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this process is not a member of group: call distributed_tree_backward on its ranks only")

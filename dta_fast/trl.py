@@ -37,6 +37,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.kernels import ChunkedLogProbFunction
 
 from dta_ref.hf import ATTENTION_DROPOUT_REFUSED, attention_dropout_in
+from dta_ref.multimodal import pack_images
 from dta_ref.padded import PaddedLayout
 from dta_ref.rollout import RolloutCache
 
@@ -304,11 +305,6 @@ class TreeGRPOTrainer(GRPOTrainer):
         # evaluation (prediction_step, under no_grad) only scores: GRPOTrainer's loss on the packed logprobs
         if chunking is None or not torch.is_grad_enabled():
             return super()._compute_loss(model, inputs)
-        if inputs.get("pixel_values") is not None:
-            raise ValueError(
-                "tree_memory_budget_bytes / tree_max_chunk_tokens / tree_scope='optimizer_step' train text only: a "
-                "batch with images trains on the packed path (leave those options unset)"
-            )
         if self._entropy_bonus_enabled:
             raise ValueError(
                 "tree_memory_budget_bytes / tree_max_chunk_tokens / tree_scope='optimizer_step' train through "
@@ -341,10 +337,17 @@ class TreeGRPOTrainer(GRPOTrainer):
         masks = [torch.cat([b["prompt_mask"], b["completion_mask"]], dim=1) for b in batches]
         input_ids, attention_mask = torch.cat(rows), torch.cat(masks)  # one generation: the same widths
         completion = batches[0]["completion_ids"].size(1)
-        with torch.no_grad():  # one packed scoring of every row
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+        multimodal = [{k: b[k] for k in self._QWEN_VL_INPUTS if b.get(k) is not None} for b in batches]
+        with torch.no_grad():  # one packed scoring of every row (of each micro-batch's, with images)
+            scored = [
+                self._get_per_token_logps_and_entropies(
+                    model, ids, mask, completion, batch_size=ids.size(0), compute_entropy=True, **mm
+                )
+                for ids, mask, mm in zip(rows, masks, multimodal, strict=True)
+            ] if any(multimodal) else [self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, completion, batch_size=input_ids.size(0), compute_entropy=True
-            )
+            )]  # fmt: skip
+            logps, entropies = (torch.cat([x[i] for x in scored]) for i in (0, 1))
         losses, grads, start = [], [], 0
         original = self._get_per_token_logps_and_entropies
         for batch, ids in zip(batches, rows):
@@ -364,9 +367,17 @@ class TreeGRPOTrainer(GRPOTrainer):
             start = stop
 
         layout = PaddedLayout.of(attention_mask)
-        tree = build_tree(layout.sequences(input_ids))
-        weights = layout.to_tree(torch.cat(grads).double(), input_ids.size(1) - completion)
         unwrapped = self.accelerator.unwrap_model(model)
+        packed = None
+        if any(multimodal):  # each row's images, packed with the rows: the vision tower runs once
+            per_row = [self._images_per_row(ids, **mm) for ids, mm in zip(rows, multimodal, strict=True)]
+            if any(images is None for images in per_row):
+                raise ValueError("TreeGRPOTrainer's chunked options take Qwen-VL images in every micro-batch")
+            patches, grids = ([x for images in per_row for x in images[i]] for i in (0, 1))
+            tree, packed = pack_images(unwrapped, layout.sequences(input_ids), patches, grids)
+        else:
+            tree = build_tree(layout.sequences(input_ids))
+        weights = layout.to_tree(torch.cat(grads).double(), input_ids.size(1) - completion)
         with self.accelerator.autocast():
             # float16's loss scaling: GRPOTrainer scales the loss it backpropagates; this backward runs here
             tree_backward(
@@ -375,6 +386,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 LinearizedLoss(weights),
                 temperature=self.temperature,
                 grad_scaler=self.accelerator.scaler,
+                images=packed,
                 **chunking,
             )
         return losses

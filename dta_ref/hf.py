@@ -307,6 +307,8 @@ def _multimodal_trunk(model, images, input_ids, extra):
             f"images.position_ids must be [3, {input_ids.shape[-1]}] (one per packed token), got "
             f"{tuple(images.position_ids.shape)}"
         )
+    if images.encoded is not None:  # encoded once for the whole step, this chunk's share
+        return trunk, images.position_ids[:, None], dict(extra, mm_encoder_outputs=images.encoded)
     if not len(images.image_grid_thw):
         return trunk, images.position_ids[:, None], extra
     return trunk, images.position_ids[:, None], dict(extra, pixel_values=images.pixel_values,

@@ -37,9 +37,13 @@ class TreeImages:
     pixel_values: torch.Tensor  # the patches of every distinct image, concatenated in packed order
     image_grid_thw: torch.Tensor  # [I, 3] each image's (t, h, w) patch grid
     position_ids: torch.Tensor  # [3, T] the model's multimodal rotary position of every packed token
+    # a chunk's share of images encoded once (dta_fast.chunked.images): the vision tower's outputs for its
+    # placeholders, which the model's forward takes as ``mm_encoder_outputs`` in place of pixel_values
+    encoded: dict | None = None
 
     def to(self, device) -> TreeImages:
-        return TreeImages(*(x.to(device) for x in (self.pixel_values, self.image_grid_thw, self.position_ids)))
+        moved = (x.to(device) for x in (self.pixel_values, self.image_grid_thw, self.position_ids))
+        return TreeImages(*moved, encoded=self.encoded)
 
 
 def pack_images(model, sequences, pixel_values, image_grid_thw) -> tuple[PrefixTree, TreeImages]:

@@ -9,7 +9,8 @@ import torch
 
 import dta_fast
 import dta_ref
-from tests.helpers import IMAGE, VISION_END, VISION_START, tiny_vl_model
+from dta_fast.trainer_common import LinearizedLoss
+from tests.helpers import IMAGE, VISION_END, VISION_START, tiny_family_model, tiny_vl_model
 
 FAMILIES = ("qwen2.5-vl", "qwen3-vl")
 TWINS = {"ref": dta_ref.tree_logprobs, "fast": dta_fast.tree_logprobs}
@@ -122,3 +123,63 @@ def test_what_pack_images_refuses():
         dta_fast.tree_logprobs(model, other, images=images)
     with pytest.raises(TypeError, match="TreeImages of dta_ref.pack_images"):
         dta_ref.tree_logprobs(model, tree, images={"pixel_values": a})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_in_depth_first_chunks(family, monkeypatch):
+    """tree_backward with images, in one chunk and in chunks that cut through an image's placeholders, with
+    and without recompute: each rollout alone's logprobs and every gradient (the vision tower's included,
+    Qwen3-VL's deepstack features too); the tower runs once per step."""
+    model = tiny_vl_model(family)
+    sequences, pixel_values, grids = grpo_with_images()
+    tree, images = dta_ref.pack_images(model, sequences, pixel_values, grids)
+    want = each_rollout_alone(model, sequences, pixel_values, grids)
+    weighted(want, tree).backward()
+    want_grads = grads(model)
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    loss = LinearizedLoss(g * tree.logprob_mask)  # the gradient of weighted(): the same weights
+    seen = []
+    forward = model.model.visual.forward
+    monkeypatch.setattr(model.model.visual, "forward", lambda x, **kw: seen.append(len(x)) or forward(x, **kw))
+    for chunk, recompute in ((None, None), (3, True), (5, False), (9, True)):
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        got, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk, recompute=recompute, images=images)
+        assert seen == [16 + 16 + 32], (chunk, seen)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+        err = float((grads(model) - want_grads).norm() / want_grads.norm())
+        assert err < 1e-6, (chunk, recompute, err)
+
+
+def test_images_in_chunks_are_checked():
+    """Images for another tree, or for a text model, are refused by name."""
+    model = tiny_vl_model("qwen2.5-vl")
+    sequences, pixel_values, grids = grpo_with_images()
+    tree, images = dta_ref.pack_images(model, sequences, pixel_values, grids)
+    loss = dta_ref.SFTLoss(tree.logprob_mask)
+    other = dta_ref.PrefixTree.from_sequences(sequences[:2])
+    with pytest.raises(ValueError, match="images belong to a tree of"):
+        dta_fast.tree_backward(model, other, dta_ref.SFTLoss(other.logprob_mask), images=images)
+    import transformers
+
+    config = tiny_family_model("llama").config
+    config.vocab_size = model.config.get_text_config().vocab_size
+    text_model = transformers.AutoModelForCausalLM.from_config(config).double()
+    with pytest.raises(TypeError, match="takes no images"):
+        dta_fast.tree_backward(text_model, tree, loss, images=images)
+
+
+def test_distributed_tree_backward_refuses_images(tmp_path):
+    """Images are packed for one tree; a rank's shard would need its own: refused by name, before any
+    collective."""
+    import torch.distributed as dist
+
+    model = tiny_vl_model("qwen2.5-vl")
+    sequences, pixel_values, grids = grpo_with_images()
+    tree, images = dta_ref.pack_images(model, sequences, pixel_values, grids)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="distributed_tree_backward takes no images"):
+            dta_fast.distributed_tree_backward(model, sequences, dta_ref.SFTLoss(tree.logprob_mask), images=images)
+    finally:
+        dist.destroy_process_group()

@@ -493,7 +493,8 @@ def image_prompts():
 def test_image_prompts_as_grpo_trainer(tmp_path):
     """A Qwen2.5-VL policy on image prompts: TreeGRPOTrainer scores each micro-batch's rows as one tree, each
     distinct image through the vision tower once, and logs and trains as GRPOTrainer (SGD, 3 steps: the
-    same losses and parameters, the vision tower's included); the chunked path refuses images by name."""
+    same losses and parameters, the vision tower's included); so does the chunked path (chunks of 8, and
+    a whole optimizer step of two micro-batches as one tree), the tower encoding each step's images once."""
     from tests.helpers import image_processor_in_code, tiny_vl_model
 
     def run(trainer_cls, config_cls, out, **overrides):
@@ -526,5 +527,13 @@ def test_image_prompts_as_grpo_trainer(tmp_path):
     # each once, where GRPOTrainer encodes every row's (generation encodes every row's in both)
     assert sum(encoded) < sum(base_encoded)
     assert all(entry["tree/compression_ratio"] > 1 for entry in tree_logs)
-    with pytest.raises(ValueError, match="a batch with images trains on the packed path"):
-        run(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", tree_max_chunk_tokens=8, max_steps=1)
+    for name, options in {
+        "chunked": dict(tree_max_chunk_tokens=8),
+        "step": dict(tree_max_chunk_tokens=8, tree_scope="optimizer_step", gradient_accumulation_steps=2),
+    }.items():
+        if "gradient_accumulation_steps" in options:
+            base_logs, base_updates, _, _ = run(
+                GRPOTrainer, GRPOConfig, tmp_path / f"base_{name}", gradient_accumulation_steps=2
+            )
+        logs, updates, _, _ = run(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / name, **options)
+        assert_same_training(base_logs, base_updates, logs, updates)

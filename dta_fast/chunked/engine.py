@@ -27,6 +27,7 @@ from dta_ref.checks import check_tree
 from dta_ref.hf import linear_layers_of, linear_module_of
 from dta_ref.logprobs import logprob_dtype
 from dta_ref.losses import TokenLoss
+from dta_ref.multimodal import TreeImages, check_images
 from dta_ref.tree import PrefixTree
 from dta_ref.values import token_values, value_head_of
 
@@ -34,6 +35,7 @@ from ..dispatch import tree_attend, uses_kernel
 from ..linear_attention import TreeLinearMixing
 from ..logprobs import HeadRows, LogprobPairs, head_logprobs, head_weight, window_rows
 from .budget import choose_plan
+from .images import ChunkImages
 from .linear import ChunkLinearMixing, ChunkLinks
 from .options import checked_options
 from .plan import ChunkPlan
@@ -147,8 +149,11 @@ class ChunkEngine:
         out_logprobs: torch.Tensor,
         temperature: float = 1.0,
         value_head=None,
+        images: TreeImages | None = None,
     ):
         self.adapter, self.tree, self.plan, self.temperature = adapt(model), tree, plan, temperature
+        # a vision-language model's images: the vision tower's forward now, once, each chunk reading its rows
+        self.images = None if images is None else ChunkImages(self.adapter.core, images, tree)
         # a critic's chunks give values through ``value_head``, a policy's logprobs through its vocabulary head
         self.value_head = value_head
         self.head = self.adapter.head if value_head is None else value_head
@@ -270,11 +275,14 @@ class ChunkEngine:
             # reentrant checkpointing warns of a forward without gradients; this one needs none
             warnings.filterwarnings("ignore", "None of the inputs have requires_grad", UserWarning)
             ids, positions = self.tree.tokens[a:b][None], self.tree.position_ids[a:b][None]
+            images = None if self.images is None else self.images.chunk(a, b)
             linear = None
             if self.linear_layer_of:  # the path's convolution inputs and states from the open chunks
                 linear = ChunkLinearMixing(self, c, self.linear_layer_of) if self.plan.num_chunks > 1 else None
                 linear = linear or TreeLinearMixing(self.tree.parent[a:b] - a)  # one chunk: the whole forest
-            hidden = self.adapter.hidden_states(ids, positions, attend, self.plan.checkpoint_layers, linear=linear)[0]
+            hidden = self.adapter.hidden_states(
+                ids, positions, attend, self.plan.checkpoint_layers, linear=linear, images=images
+            )[0]
             span = self.span(c)
             rows = self.head_rows[c]
             if self.value_head is None:
@@ -298,6 +306,7 @@ def tree_backward(
     temperature: float = 1.0,
     grad_scaler: torch.amp.GradScaler | None = None,
     value_head=None,
+    images=None,
 ):
     """Forward and backward over the whole forest, depth-first in chunks; gradients added to ``.grad``.
 
@@ -339,6 +348,11 @@ def tree_backward(
     per token instead of logprobs: ``loss_fn(i, values_i)`` over all of
     sequence i's tokens (``dta_ref.ValueLoss``, one pass), and the returned
     values are [N, Lmax] (the layout of ``tree_values``).
+    ``images``: a vision-language model's images (``dta_ref.pack_images``):
+    the vision tower runs once, each chunk reads its placeholders' rows, and
+    the tower's backward runs once after the last chunk (several chunks need
+    transformers >= 5.18). The estimate does not count the tower's
+    activations.
     ``grad_scaler``: float16 mixed precision's ``torch.amp.GradScaler``. The
     backward runs on its scaled loss, as ``scaler.scale(loss).backward()``
     would, so ``scaler.step(optimizer)`` unscales the gradients as usual
@@ -396,12 +410,15 @@ def tree_backward(
     dtype = logprob_dtype(adapter.dtype)
     width = tree.max_length if critic else tree.max_length - 1
     logprobs = torch.zeros(tree.num_sequences, width, dtype=dtype, device=device)
-    engine = ChunkEngine(model, tree, plan, kernel, logprobs, options.temperature, value_head)
+    images = check_images(images, tree, device)
+    engine = ChunkEngine(model, tree, plan, kernel, logprobs, options.temperature, value_head, images)
     scaled = _unscaled if options.grad_scaler is None else options.grad_scaler.scale  # what the backward runs on
     if isinstance(loss_fn, TokenLoss):
         total = _run_token_loss(engine, loss_fn, scaled)
     else:
         total = _run_linearised_loss(engine, loss_fn, scaled)
+    if engine.images is not None:  # the vision tower's backward, once
+        engine.images.backward()
     for p in adapter.forward_parameters():  # as loss.backward() leaves them: a zero gradient, not None, for a
         if p.requires_grad and p.grad is None:  # parameter the forward runs that no term reached
             p.grad = torch.zeros_like(p)

@@ -215,7 +215,8 @@ def linear_mixer_bytes(model) -> tuple[int, int]:
         return t
 
     hidden = text_config_of(model).hidden_size
-    x = torch.randn(1, PROBE_TOKENS, hidden, dtype=weight.dtype, device=next(probe.parameters()).device)
+    # ones, not random: the probe must not draw from the caller's random streams (what it saves is shapes)
+    x = torch.ones(1, PROBE_TOKENS, hidden, dtype=weight.dtype, device=next(probe.parameters()).device)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         probe(x.requires_grad_())
     measured = (sum(saved.values()) // PROBE_TOKENS, conv)
