@@ -145,7 +145,7 @@ TEXT_FAMILIES = {
 
 
 MOE_FAMILIES = ("gpt-oss", "qwen3-moe", "mixtral", "deepseek-v3", "qwen3-next")
-LINEAR_FAMILIES = ("qwen3-next", "qwen3.5")  # Gated DeltaNet layers: whole forests only (no chunk prefixes)
+LINEAR_FAMILIES = ("qwen3-next", "qwen3.5")  # Gated DeltaNet layers: recurrent states, short convolutions
 
 
 def tiny_family_model(family: str, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager", seed=0):

@@ -35,11 +35,13 @@ def _batch(name="mixed"):
 
 def _model(kind):
     """``kind``: "decoder" or an HF family, with "+reentrant" / "+non-reentrant" for gradient checkpointing."""
-    from tests.helpers import tiny_decoder, tiny_hf_model
+    from tests.helpers import HF_FAMILIES, tiny_decoder, tiny_family_model, tiny_hf_model
 
     family, _, checkpointing = kind.partition("+")
     if family == "decoder":
         return tiny_decoder(torch.float64, seed=1)
+    if family not in HF_FAMILIES:  # the other text families (a hybrid: recurrent states across chunks)
+        return tiny_family_model(family, torch.float64, "sdpa")
     model = tiny_hf_model(family, torch.float64, "sdpa")
     if checkpointing:
         reentrant = checkpointing == "reentrant"
@@ -170,6 +172,12 @@ def test_generic_loss(tmp_path):
 def test_hf_model(tmp_path):
     pytest.importorskip("transformers")
     _spawn(tmp_path, 2, kind="qwen3", wrap_ddp=True, chunk=9)
+
+
+def test_hybrid_model(tmp_path):
+    """A hybrid (Gated DeltaNet layers) in chunks on each rank: the states cross its shard's chunks."""
+    pytest.importorskip("transformers")
+    _spawn(tmp_path, 2, kind="qwen3.5", chunk=7)
 
 
 @pytest.mark.parametrize("checkpointing", ["reentrant", "non-reentrant"])
