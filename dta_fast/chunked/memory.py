@@ -3,7 +3,7 @@ shape (docs/chunked_execution.md, "Memory budget")."""
 
 from __future__ import annotations
 
-import copy
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,7 +185,7 @@ def _norms_and_mlp_bytes_per_token(shape) -> int:
     return 2 * hidden * (4 + size) + (hidden + 4 * shape.intermediate + dispatch) * size
 
 
-_MIXERS: dict = {}  # id of a linear-attention module -> (its module, what linear_mixer_bytes measured)
+_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # linear-attention module -> its measure
 PROBE_TOKENS = 128
 
 
@@ -193,18 +193,19 @@ def linear_mixer_bytes(model) -> tuple[int, int]:
     """(what autograd saves per token in one linear-attention mixer, its convolution's input width).
 
     Measured, since it depends on the kernel the mixer runs (flash-linear-attention's or the modeling
-    file's PyTorch form): the first linear-attention layer's mixer runs a chain of ``PROBE_TOKENS``
-    tokens on its own device (a weightless model's on the CPU, with uninitialised weights) and the
-    storages it saves for backward are summed, the parameters' excluded. Once per module."""
-    module = linear_module_of(model, linear_layers_of(model)[0])
-    cached = _MIXERS.get(id(module))
-    if cached is not None and cached[0] is module:
-        return cached[1]
-    conv = module.conv1d.weight.shape[0]
-    probe = module
-    weight = next(module.parameters())
-    if weight.device.type == "meta":
-        probe = copy.deepcopy(module).to_empty(device="cpu")
+    file's PyTorch form): a fresh mixer of the first linear-attention layer's class, on that layer's
+    device (a weightless model's: the CPU) with uninitialised weights, runs a chain of ``PROBE_TOKENS``
+    tokens, and the storages it saves for backward are summed, the parameters' excluded. A fresh one
+    leaves the model's own alone (its hooks, sharded or wrapped weights). Once per module."""
+    index = linear_layers_of(model)[0]
+    module = linear_module_of(model, index)
+    if module in _MIXERS:
+        return _MIXERS[module]
+    weight = module.conv1d.weight
+    device = torch.device("cpu") if weight.device.type == "meta" else weight.device
+    with torch.device("meta"):
+        probe = type(module)(text_config_of(model), index)
+    probe = probe.to_empty(device=device).to(weight.dtype)
     params = {p.untyped_storage().data_ptr() for p in probe.parameters()}
     saved = {}
 
@@ -214,14 +215,12 @@ def linear_mixer_bytes(model) -> tuple[int, int]:
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    hidden = text_config_of(model).hidden_size
     # ones, not random: the probe must not draw from the caller's random streams (what it saves is shapes)
-    x = torch.ones(1, PROBE_TOKENS, hidden, dtype=weight.dtype, device=next(probe.parameters()).device)
+    x = torch.ones(1, PROBE_TOKENS, text_config_of(model).hidden_size, dtype=weight.dtype, device=device)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         probe(x.requires_grad_())
-    measured = (sum(saved.values()) // PROBE_TOKENS, conv)
-    _MIXERS[id(module)] = (module, measured)
-    return measured
+    _MIXERS[module] = (sum(saved.values()) // PROBE_TOKENS, weight.shape[0])
+    return _MIXERS[module]
 
 
 def _trunk_bytes_per_token(shape) -> int:
