@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dta_ref.adapter import adapt
 from dta_ref.logprobs import logprob_dtype
 from dta_ref.losses import TokenLoss
+from dta_ref.multimodal import pack_images
 from dta_ref.tree import _as_token_list
 
 from .chunked import checked_options, tree_backward
@@ -203,7 +204,9 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     trains, a :class:`dta_fast.Partition` or one list of indices per rank (as
     rank 0 sees it); by default ``partition(sequences, world_size, cost_model)``.
     ``options`` go to ``tree_backward``
-    (``max_chunk_tokens``, ``memory_budget_bytes``, ``recompute``, ...).
+    (``max_chunk_tokens``, ``memory_budget_bytes``, ``recompute``, ...);
+    ``images=(pixel_values, image_grid_thw)``, per sequence as
+    ``dta_ref.pack_images`` takes them: each rank packs its shard's.
     Gradients already in ``.grad`` are kept and added to, not reduced again.
 
     Returns a :class:`DistributedResult` ``(logprobs, loss, indices)``, the
@@ -219,10 +222,13 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("distributed_tree_backward needs an initialised torch.distributed process group")
-    if options.get("images") is not None:  # packed for one tree; each rank's shard would need its own
+    images = options.pop("images", None)
+    if images is not None and (
+        not isinstance(images, (tuple, list)) or len(images) != 2 or any(len(x) != len(sequences) for x in images)
+    ):
         raise ValueError(
-            "distributed_tree_backward takes no images: each rank trains its own shard's tree, which "
-            "dta_ref.pack_images would have to build from that shard; use tree_backward(images=) per rank"
+            "images must be (pixel_values, image_grid_thw), one entry of each per sequence as "
+            "dta_ref.pack_images takes them (each rank packs its shard's)"
         )
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
@@ -239,9 +245,13 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
             raise TypeError(f"loss_fn must be callable as loss_fn(i, logprobs_i), got {type(loss_fn).__name__}")
         module, no_sync = _unwrap(model)
         if not shard:
-            return module, no_sync, None, None
+            return module, no_sync, None, None, None
         try:
-            tree = build_tree([sequences[i] for i in shard])
+            if images is None:
+                tree, packed = build_tree([sequences[i] for i in shard]), None
+            else:  # this shard's images, packed with its tree (each distinct image encoded once per rank)
+                pixels, grids = ([x[i] for i in shard] for x in images)
+                tree, packed = pack_images(module, [sequences[i] for i in shard], pixels, grids)
         except (TypeError, ValueError):
             for i in shard:  # name the bad sequence by its index in the batch, not in this rank's shard
                 _as_token_list(sequences[i], i)
@@ -260,9 +270,9 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
                 return loss_fn(shard[j], lp)
 
         tree.validate(local_fn)
-        return module, no_sync, tree, local_fn
+        return module, no_sync, tree, local_fn, packed
 
-    module, no_sync, tree, local_fn = _guarded(prepare, group)
+    module, no_sync, tree, local_fn, packed = _guarded(prepare, group)
 
     def run_shard(module):
         """This rank's tree_backward (nothing if its shard is empty): its loss and logprobs."""
@@ -272,7 +282,7 @@ def distributed_tree_backward(model, sequences, loss_fn, *, group=None, cost_mod
             dtype = logprob_dtype(adapt(module).dtype)
             return torch.zeros((), dtype=torch.float64, device=device), torch.zeros(0, 0, dtype=dtype, device=device)
         with no_sync:
-            logprobs, loss = tree_backward(module, tree, local_fn, **options)
+            logprobs, loss = tree_backward(module, tree, local_fn, images=packed, **options)
         for name, p in module.named_parameters():
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise ValueError(

@@ -169,17 +169,43 @@ def test_images_in_chunks_are_checked():
         dta_fast.tree_backward(text_model, tree, loss, images=images)
 
 
-def test_distributed_tree_backward_refuses_images(tmp_path):
-    """Images are packed for one tree; a rank's shard would need its own: refused by name, before any
-    collective."""
+def _distributed_images_worker(rank, world, init_file, family, want_lp, want_grads):
     import torch.distributed as dist
 
-    model = tiny_vl_model("qwen2.5-vl")
-    sequences, pixel_values, grids = grpo_with_images()
-    tree, images = dta_ref.pack_images(model, sequences, pixel_values, grids)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        with pytest.raises(ValueError, match="distributed_tree_backward takes no images"):
-            dta_fast.distributed_tree_backward(model, sequences, dta_ref.SFTLoss(tree.logprob_mask), images=images)
+        model = tiny_vl_model(family)
+        sequences, pixel_values, grids = grpo_with_images()
+        tree = dta_ref.PrefixTree.from_sequences(sequences)
+        g = torch.randn(want_lp.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        loss = LinearizedLoss(g * tree.logprob_mask)
+        with pytest.raises(ValueError, match="images must be"):
+            dta_fast.distributed_tree_backward(model, sequences, loss, images=(pixel_values, grids[:2]))
+        lp, _, indices = dta_fast.distributed_tree_backward(
+            model, sequences, loss, images=(pixel_values, grids), max_chunk_tokens=5
+        )
+        mine = want_lp[indices]  # this rank's rollouts, as wide as its longest
+        assert not mine[:, lp.shape[1] :].any()
+        torch.testing.assert_close(lp.double(), mine[:, : lp.shape[1]], rtol=1e-10, atol=1e-10)
+        err = float((grads(model) - want_grads).norm() / want_grads.norm())
+        assert err < 1e-6, err
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_distributed_tree_backward_with_images(tmp_path, family):
+    """Two gloo ranks, each packing its shard's images (chunks of 5): every rank's gradient is the whole
+    batch's, each rollout alone through the model's own forward, the vision tower's included."""
+    import torch.multiprocessing as mp
+
+    model = tiny_vl_model(family)
+    sequences, pixel_values, grids = grpo_with_images()
+    tree = dta_ref.PrefixTree.from_sequences(sequences)
+    want = each_rollout_alone(model, sequences, pixel_values, grids)
+    weighted(want, tree).backward()
+    args = (2, str(tmp_path / "init"), family, want.detach(), grads(model))
+    mp.spawn(_distributed_images_worker, args=args, nprocs=2, join=True)
