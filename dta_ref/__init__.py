@@ -76,6 +76,7 @@ __all__ = [
     "grpo_batch",
     "agentic_batch",
     "draw_tree",
+    "draw_states",
     "sample",
     "speculative_sample",
     "RolloutCache",
@@ -88,3 +89,11 @@ def draw_tree(*args, **kwargs):
     from .plot import draw_tree as _draw_tree
 
     return _draw_tree(*args, **kwargs)
+
+
+def draw_states(*args, **kwargs):
+    """Draw how a linear-attention layer runs on a small tree (segments, forked states) to a PNG; see
+    dta_ref.plot."""
+    from .plot import draw_states as _draw_states
+
+    return _draw_states(*args, **kwargs)

@@ -32,6 +32,35 @@ def path_ancestors(parent: torch.Tensor, width: int) -> torch.Tensor:
     return torch.stack(columns, dim=1)
 
 
+def segments(parent: torch.Tensor, cut_after=()) -> list[tuple[int, int, int]]:
+    """The forest's unbranched segments in preorder: (start, end, parent segment index or -1). A token in
+    ``cut_after`` ends its segment too (its state is wanted on its own)."""
+    parent = parent.tolist()
+    children = [0] * len(parent)
+    for p in parent:
+        if p >= 0:
+            children[p] += 1
+    out, segment_of = [], [0] * len(parent)
+    for t, p in enumerate(parent):
+        if p >= 0 and p == t - 1 and children[p] == 1 and p not in cut_after:
+            out[-1][1] = t + 1  # t continues its parent's segment
+        else:
+            out.append([t, t + 1, segment_of[p] if p >= 0 else -1])
+        segment_of[t] = len(out) - 1
+    return [tuple(x) for x in out]
+
+
+def levels(segs: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Segment indices by level: roots first, then every segment whose parent is in the level above."""
+    depth, out = [], []
+    for _, _, parent in segs:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        if depth[-1] == len(out):
+            out.append([])
+        out[depth[-1]].append(len(depth) - 1)
+    return out
+
+
 class CausalLinearMixing:
     """Each batch row is one whole sequence from its first token: the model's own functions, unchanged."""
 

@@ -12,6 +12,7 @@ above the image and ``subtree_end[j]`` below it.
 
     python -m dta_ref.plot [path]      # draws the example to path, by default ./prefix_tree.png
     python -m dta_ref.plot docs/images/prefix_tree.png   # the picture of docs/prefix_tree.md
+    python -m dta_ref.plot --states docs/images/forked_states.png   # a linear-attention layer on the tree
 """
 
 from __future__ import annotations
@@ -186,6 +187,76 @@ def draw_tree(tree_or_sequences, path, *, title=None, token_labels=None):
     return path
 
 
+def draw_states(tree_or_sequences, path, *, title=None, token_labels=None, conv_width: int = 4):
+    """Draw how a linear-attention layer (Gated DeltaNet) runs on a prefix tree to ``path``; returns it.
+
+    Each unbranched segment has a colour and its level (the kernel runs a level's segments together);
+    an arrow carries a segment's final state to the segments that start from it (a fork: the state is
+    read twice, its gradient is the sum); the last token's convolution window (its ``conv_width - 1``
+    nearest ancestors and itself) is outlined."""
+    from .linear_attention import levels, path_ancestors, segments
+
+    tree = (
+        tree_or_sequences if isinstance(tree_or_sequences, PrefixTree) else PrefixTree.from_sequences(tree_or_sequences)
+    ).to("cpu")
+    if tree.num_tokens > MAX_TOKENS:
+        raise ValueError(f"tree has {tree.num_tokens} packed tokens; draw_states draws at most {MAX_TOKENS} legibly")
+    label, tokens = label_fn(token_labels), tree.tokens.tolist()
+    depth, parent = tree.position_ids.tolist(), tree.parent.tolist()
+    rows, _ = _layout(parent)
+    segs = segments(tree.parent)
+    level_of = {i: k for k, level in enumerate(levels(segs)) for i in level}
+    fig = _new_figure()
+    width, height = 1.5 + 0.8 * (max(depth) + 1), 1.8 + 0.7 * (max(rows) + 1)
+    fig.set_size_inches(width, height)
+    ax = fig.subplots()
+    for i, p in enumerate(parent):
+        if p >= 0:
+            ax.plot([depth[p], depth[i]], [rows[p], rows[i]], color="#b0b0b0", lw=1.2, zorder=1)
+    for k, (start, end, up) in enumerate(segs):
+        color = _TREE_COLORS[k % len(_TREE_COLORS)]
+        for i in range(start, end):
+            box = dict(boxstyle="round,pad=0.3", fc="white", ec=color, lw=2.0)
+            ax.text(depth[i], rows[i], label(tokens[i]), ha="center", va="center", fontsize=9, zorder=3, bbox=box)
+        ax.text(depth[start], rows[start] - 0.38, f"level {level_of[k]}", ha="center", fontsize=7, color=color)
+        if up >= 0:  # the parent segment's final state starts this one
+            last = segs[up][1] - 1
+            ax.annotate(
+                "", xy=(depth[start] - 0.18, rows[start]), xytext=(depth[last] + 0.18, rows[last]),
+                arrowprops=dict(arrowstyle="->", color=_TREE_COLORS[up % len(_TREE_COLORS)], lw=1.8), zorder=2,
+            )  # fmt: skip
+            ax.text((depth[last] + depth[start]) / 2, (rows[last] + rows[start]) / 2 - 0.15,
+                    f"S{label(tokens[last])}", fontsize=7, ha="center", color="#444444")  # fmt: skip
+    window = path_ancestors(tree.parent, conv_width)[-1].tolist()  # the last token's convolution inputs
+    for i in window:
+        if i >= 0:
+            ax.add_patch(_dashed_box(depth[i], rows[i]))
+    ax.set_xlim(-0.7, max(depth) + 0.7)
+    ax.set_ylim(max(rows) + 0.7, -0.9)
+    ax.set_yticks([])
+    ax.set_xticks(range(max(depth) + 1))
+    ax.set_xlabel("depth = position id")
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(
+        title
+        or "colour: a segment (one kernel call per level); arrow: its final state starts the next;\n"
+        f"dashed: the last token's convolution window ({conv_width} tokens of its path)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    return path
+
+
+def _dashed_box(x, y):
+    from matplotlib.patches import FancyBboxPatch
+
+    return FancyBboxPatch((x - 0.32, y - 0.3), 0.64, 0.6, boxstyle="round,pad=0.02", fill=False, ls="--",
+                          ec="#222222", lw=1.0, zorder=4)  # fmt: skip
+
+
 def example_sequences():
     """A forest of three trees: a GRPO group, an agent's multi-turn samples, a lone SFT-like sample."""
     words: list[str] = []
@@ -220,11 +291,17 @@ def main(argv=None):
     )
     # in the working directory: the tracked docs/images picture is redrawn only when named
     parser.add_argument("path", nargs="?", default="prefix_tree.png", help="PNG to write (%(default)s)")
-    path = parser.parse_args(sys.argv[1:] if argv is None else argv).path
+    parser.add_argument("--states", action="store_true", help="draw a linear-attention layer's forked states")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.states:  # docs/images/forked_states.png: a prompt, two branches, a fork inside the first
+        words = ["a", "b", "c", "d", "e", "f", "g"]
+        print(draw_states([[0, 1, 2, 3, 4], [0, 1, 2, 3, 6], [0, 1, 2, 5]], args.path, token_labels=words))
+        return
     sequences, words = example_sequences()
     out = draw_tree(
-        sequences, path, title="Rollouts packed as a preorder forest, and its tree attention mask", token_labels=words
-    )
+        sequences, args.path, title="Rollouts packed as a preorder forest, and its tree attention mask",
+        token_labels=words,
+    )  # fmt: skip
     print(out)
 
 

@@ -540,3 +540,17 @@ def test_draw_tree_labels(tmp_path):
         path.unlink()
     with pytest.raises(TypeError, match="token_labels must be a dict, a sequence or a function"):
         draw_tree([[1, 2]], tmp_path / "tree.png", token_labels=5)
+
+
+def test_draw_states(tmp_path):
+    """The linear-attention picture draws a forked tree and refuses one too large to read."""
+    pytest.importorskip("matplotlib")
+    from dta_ref import draw_states
+    from dta_ref.plot import main
+
+    path = draw_states([[0, 1, 2, 3], [0, 1, 4]], tmp_path / "states.png")
+    assert path.exists() and path.stat().st_size > 0
+    main(["--states", str(tmp_path / "example.png")])
+    assert (tmp_path / "example.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="draws at most"):
+        draw_states([list(range(300))], tmp_path / "big.png")
