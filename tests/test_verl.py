@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dta_fast.verl import verl_log_probs
-from tests.helpers import tiny_hf_model
+from tests.helpers import tiny_family_model, tiny_hf_model
 
 PAD = 0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,10 +42,13 @@ PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10], [11]]
 RESPONSES = [[20, 21, 22], [20, 21, 23, 24, 25], [30], [20, 21, 22], [40, 41], [50, 51, 52, 53]]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3.5", "gpt-oss"])  # a hybrid; sinks, windows, MoE
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_verl_log_probs_equal_verls_padded_forward(family, temperature):
-    model = tiny_hf_model(family, torch.float32, "sdpa", seed=2).to(DEVICE).train()
+    if family in ("qwen2", "llama"):
+        model = tiny_hf_model(family, torch.float32, "sdpa", seed=2).to(DEVICE).train()
+    else:
+        model = tiny_family_model(family, torch.float32, seed=2).to(DEVICE).train()  # eager: GPT-OSS has no sdpa
     batch = tuple(x.to(DEVICE) for x in verl_micro_batch(PROMPTS, RESPONSES))
     response_mask = batch[1][:, -batch[3].shape[1] :].bool()
     out = verl_log_probs(model, *batch, temperature=temperature, calculate_entropy=True)
