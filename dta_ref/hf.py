@@ -309,10 +309,12 @@ def _multimodal_trunk(model, images, input_ids, extra):
         )
     if images.encoded is not None:  # encoded once for the whole step, this chunk's share
         return trunk, images.position_ids[:, None], dict(extra, mm_encoder_outputs=images.encoded)
-    if not len(images.image_grid_thw):
-        return trunk, images.position_ids[:, None], extra
-    return trunk, images.position_ids[:, None], dict(extra, pixel_values=images.pixel_values,
-                                                     image_grid_thw=images.image_grid_thw)  # fmt: skip
+    media = images.media()
+    if "image" in media:
+        extra = dict(extra, pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
+    if "video" in media:
+        extra = dict(extra, pixel_values_videos=images.pixel_values_videos, video_grid_thw=images.video_grid_thw)
+    return trunk, images.position_ids[:, None], extra
 
 
 def router_aux_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:

@@ -40,67 +40,113 @@ class TreeImages:
     # a chunk's share of images encoded once (dta_fast.chunked.images): the vision tower's outputs for its
     # placeholders, which the model's forward takes as ``mm_encoder_outputs`` in place of pixel_values
     encoded: dict | None = None
+    # the distinct videos, likewise (None: none), and their seconds per temporal patch (Qwen2.5-VL)
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
     def to(self, device) -> TreeImages:
         moved = (x.to(device) for x in (self.pixel_values, self.image_grid_thw, self.position_ids))
-        return TreeImages(*moved, encoded=self.encoded)
+        videos = (None if x is None else x.to(device) for x in (self.pixel_values_videos, self.video_grid_thw))
+        return TreeImages(*moved, self.encoded, *videos)
+
+    def media(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The kinds of media the forest holds: ``{"image": (patches, grids), "video": ...}``."""
+        out = dict(image=(self.pixel_values, self.image_grid_thw))
+        out["video"] = (self.pixel_values_videos, self.video_grid_thw)
+        return {kind: m for kind, m in out.items() if m[1] is not None and len(m[1])}
 
 
-def pack_images(model, sequences, pixel_values, image_grid_thw) -> tuple[PrefixTree, TreeImages]:
-    """The prefix tree of ``sequences`` and their images in its packed order.
+def pack_images(model, sequences, pixel_values, image_grid_thw, *, videos=None) -> tuple[PrefixTree, TreeImages]:
+    """The prefix tree of ``sequences`` and their images (and videos) in its packed order.
 
     ``pixel_values[i]`` holds rollout i's image patches (all its images, in order, as the model's
     processor makes them: [patches, channels x patch volume]) and ``image_grid_thw[i]`` their grids
     [images_i, 3]; a rollout without images has an empty grid. Rollout i's placeholder runs must match
-    its grids (t h w / merge^2 placeholders each, merge the vision tower's spatial merge size).
+    its grids (t h w / merge^2 placeholders each, merge the vision tower's spatial merge size; a video's
+    may be split into several runs, one per frame, as Qwen3-VL's timestamps split them). ``videos``:
+    ``(pixel_values_videos, video_grid_thw)`` per rollout likewise, or
+    ``(pixel_values_videos, video_grid_thw, second_per_grid_ts)`` for Qwen2.5-VL's temporal positions.
     """
     model = adapt(model).core  # the Hugging Face model inside PEFT's, DDP's or torch.compile's wrapper
     config = _vl_config(model)
-    placeholder, merge = config.image_token_id, config.vision_config.spatial_merge_size
     sequences = [list(map(int, s)) for s in sequences]
-    if not (len(sequences) == len(pixel_values) == len(image_grid_thw)):
-        raise ValueError(
-            f"one pixel_values and one image_grid_thw per rollout: got {len(sequences)} rollouts, "
-            f"{len(pixel_values)} pixel_values, {len(image_grid_thw)} image_grid_thw"
-        )
-    # each rollout's images, as (grid, patches) and the key of their content
-    keys, images, keyed = {}, [], []
-    for i, (seq, pixels, grids) in enumerate(zip(sequences, pixel_values, image_grid_thw, strict=True)):
-        grids = torch.as_tensor(grids).reshape(-1, 3)
-        sizes = (grids.prod(-1)).tolist()
-        if sum(sizes) != len(pixels):
-            raise ValueError(f"rollout {i}: its grids hold {sum(sizes)} patches, its pixel_values {len(pixels)}")
-        runs = _placeholder_runs(seq, placeholder)
-        expected = [n // merge**2 for n in sizes]
-        if [b - a for a, b in runs] != expected:
+    media = {"image": (pixel_values, image_grid_thw, None)}
+    if videos is not None:
+        if not isinstance(videos, (tuple, list)) or len(videos) not in (2, 3):
+            raise ValueError("videos must be (pixel_values_videos, video_grid_thw[, second_per_grid_ts]) per rollout")
+        media["video"] = (videos[0], videos[1], videos[2] if len(videos) == 3 else None)
+    for kind, (pixels, grids, seconds) in media.items():
+        if (
+            len(pixels) != len(sequences)
+            or len(grids) != len(sequences)
+            or (seconds is not None and len(seconds) != len(sequences))
+        ):
             raise ValueError(
-                f"rollout {i} has image placeholder runs of {[b - a for a, b in runs]} tokens, its grids need "
-                f"{expected} (t h w / {merge}^2 each)"
+                f"one {kind} pixel_values and one {kind}_grid_thw per rollout: got {len(sequences)} rollouts, "
+                f"{len(pixels)} pixel_values, {len(grids)} {kind}_grid_thw"
             )
-        seq, start = list(seq), 0
-        for (a, b), grid, n in zip(runs, grids, sizes, strict=True):
-            patches = pixels[start : start + n]
-            start += n
-            key = (tuple(grid.tolist()), patches.shape, _content(patches))
-            if key not in keys:
-                keys[key] = len(images)
-                images.append((grid, patches))
-            seq[a:b] = [-1 - keys[key]] * (b - a)  # the image's own key: same image, same tokens
+    # each rollout's media items, as (kind, grid, patches, seconds) and the key of their content
+    keys, items, keyed = {}, [], []
+    for i, seq in enumerate(sequences):
+        seq = list(seq)
+        for kind, (pixels, grids, seconds) in media.items():
+            placeholder = getattr(config, f"{kind}_token_id")
+            for a, b, key_item in _items_of(i, seq, kind, placeholder, config, pixels[i], grids[i], seconds):
+                if key_item[0] not in keys:
+                    keys[key_item[0]] = len(items)
+                    items.append(key_item[1])
+                seq[a:b] = [-1 - keys[key_item[0]]] * (b - a)  # the item's own key: same media, same tokens
         keyed.append(seq)
     offset = 1 + max((t for s in sequences for t in s), default=0)
     tree = PrefixTree.from_sequences([[t if t >= 0 else offset - 1 - t for t in s] for s in keyed])
     surrogate = tree.tokens >= offset
-    image_of_token = torch.where(surrogate, tree.tokens - offset, -1)
-    tree = dataclasses.replace(tree, tokens=torch.where(surrogate, placeholder, tree.tokens))
-    # the images in the order their runs start in the packed forest
-    starts = surrogate & torch.cat([torch.ones(1, dtype=torch.bool), image_of_token[1:] != image_of_token[:-1]])
-    order = image_of_token[starts].tolist()
-    if order:
-        pixels = torch.cat([images[k][1] for k in order])
-        grids = torch.stack([images[k][0] for k in order]).long()
-    else:
-        pixels, grids = torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
-    return tree, TreeImages(pixels, grids, _packed_positions(model, tree, sequences, image_grid_thw))
+    item_of_token = torch.where(surrogate, tree.tokens - offset, -1)
+    placeholders = torch.tensor([getattr(config, f"{items[k][0]}_token_id") for k in range(len(items))] or [0])
+    tree = dataclasses.replace(
+        tree, tokens=torch.where(surrogate, placeholders[item_of_token.clamp(min=0)], tree.tokens)
+    )
+    # the items in the order their first runs appear in the packed forest, per kind
+    order = list(dict.fromkeys(item_of_token[surrogate].tolist()))
+    packed = {}
+    for kind in media:
+        mine = [items[k] for k in order if items[k][0] == kind]
+        if mine:
+            packed[kind] = (torch.cat([m[2] for m in mine]), torch.stack([m[1] for m in mine]).long())
+        else:
+            packed[kind] = (torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long))
+    positions = _packed_positions(model, tree, sequences, media)
+    video = packed.get("video", (None, None))
+    return tree, TreeImages(*packed["image"], positions, None, *video)
+
+
+def _items_of(i, seq, kind, placeholder, config, pixels, grids, seconds):
+    """Rollout i's media of one kind: (start, end, (key, (kind, grid, patches))) per placeholder run; an
+    item's runs together hold its t h w / merge^2 placeholders."""
+    merge = config.vision_config.spatial_merge_size
+    grids = torch.as_tensor(grids).reshape(-1, 3)
+    sizes = grids.prod(-1).tolist()
+    if sum(sizes) != len(pixels):
+        raise ValueError(f"rollout {i}: its {kind} grids hold {sum(sizes)} patches, its pixel_values {len(pixels)}")
+    runs = _placeholder_runs(seq, placeholder)
+    expected = [n // merge**2 for n in sizes]
+    out, r, start = [], 0, 0
+    for g, (grid, n, need) in enumerate(zip(grids, sizes, expected, strict=True)):
+        patches = pixels[start : start + n]
+        start += n
+        second = None if seconds is None else float(torch.as_tensor(seconds[i]).reshape(-1)[g])
+        key = (kind, tuple(grid.tolist()), patches.shape, _content(patches), second)
+        while need > 0 and r < len(runs):
+            out.append((*runs[r], (key, (kind, grid, patches, second))))
+            need -= runs[r][1] - runs[r][0]
+            r += 1
+        if need != 0:
+            break
+    if r != len(runs) or sum(b - a for a, b, _ in out) != sum(expected):
+        raise ValueError(
+            f"rollout {i} has {kind} placeholder runs of {[b - a for a, b in runs]} tokens, its grids need "
+            f"{expected} (t h w / {merge}^2 each, a video's possibly split into runs)"
+        )
+    return out
 
 
 def check_images(images, tree: PrefixTree, device) -> TreeImages | None:
@@ -141,16 +187,22 @@ def _content(patches: torch.Tensor) -> bytes:
     return patches.detach().cpu().contiguous().numpy().tobytes()
 
 
-def _packed_positions(model, tree: PrefixTree, sequences, image_grid_thw) -> torch.Tensor:
+def _packed_positions(model, tree: PrefixTree, sequences, media) -> torch.Tensor:
     """[3, T]: the model's own rotary positions of each rollout alone, gathered per packed token."""
     config, trunk = _vl_config(model), model.model
     positions = torch.full((3, tree.num_tokens), -1, dtype=torch.long)
-    for i, (seq, grids) in enumerate(zip(sequences, image_grid_thw, strict=True)):
+    for i, seq in enumerate(sequences):
         ids = torch.tensor([seq])
         types = (ids == config.image_token_id).int()
-        grids = torch.as_tensor(grids).reshape(-1, 3).long()
-        if len(grids):
-            pos, _ = trunk.get_rope_index(ids, types, image_grid_thw=grids)
+        kwargs = {"image_grid_thw": torch.as_tensor(media["image"][1][i]).reshape(-1, 3).long()}
+        if "video" in media:
+            types = types + 2 * (ids == config.video_token_id).int()
+            kwargs["video_grid_thw"] = torch.as_tensor(media["video"][1][i]).reshape(-1, 3).long()
+            if media["video"][2] is not None:
+                kwargs["second_per_grid_ts"] = torch.as_tensor(media["video"][2][i]).reshape(-1)
+        kwargs = {k: v for k, v in kwargs.items() if len(v)}
+        if "image_grid_thw" in kwargs or "video_grid_thw" in kwargs:
+            pos, _ = trunk.get_rope_index(ids, types, **kwargs)
             pos = pos[:, 0].cpu()
         else:  # text alone: the model counts tokens on every axis
             pos = torch.arange(len(seq)).expand(3, -1)

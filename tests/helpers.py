@@ -268,6 +268,7 @@ def brute_force_tree_mask(tree: dta_ref.PrefixTree, sequences) -> torch.Tensor:
 
 
 IMAGE, VISION_START, VISION_END = 70, 72, 73  # the tiny VLMs' placeholder and its brackets (vocabulary 80)
+VIDEO = 71  # ... and their video placeholder
 
 
 def tiny_vl_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -283,7 +284,7 @@ def tiny_vl_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0
         depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
         spatial_merge_size=2, temporal_patch_size=1, in_channels=3,
     )  # fmt: skip
-    tokens = dict(image_token_id=IMAGE, video_token_id=71, vision_start_token_id=VISION_START,
+    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
                   vision_end_token_id=VISION_END)  # fmt: skip
     if family == "qwen2.5-vl":
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}

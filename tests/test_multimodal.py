@@ -10,7 +10,7 @@ import torch
 import dta_fast
 import dta_ref
 from dta_fast.trainer_common import LinearizedLoss
-from tests.helpers import IMAGE, VISION_END, VISION_START, tiny_family_model, tiny_vl_model
+from tests.helpers import IMAGE, VIDEO, VISION_END, VISION_START, tiny_family_model, tiny_vl_model
 
 FAMILIES = ("qwen2.5-vl", "qwen3-vl")
 TWINS = {"ref": dta_ref.tree_logprobs, "fast": dta_fast.tree_logprobs}
@@ -109,9 +109,9 @@ def test_what_pack_images_refuses():
     prompt = [1, 3] + image(4) + [5]
     with pytest.raises(ValueError, match=r"placeholder runs of \[4\] tokens, its grids need \[8\]"):
         dta_ref.pack_images(model, [prompt], [c], [grid_c])
-    with pytest.raises(ValueError, match="its grids hold 16 patches, its pixel_values 32"):
+    with pytest.raises(ValueError, match="its image grids hold 16 patches, its pixel_values 32"):
         dta_ref.pack_images(model, [prompt], [c], [grid_a])
-    with pytest.raises(ValueError, match="one pixel_values and one image_grid_thw per rollout"):
+    with pytest.raises(ValueError, match="one image pixel_values and one image_grid_thw per rollout"):
         dta_ref.pack_images(model, [prompt, prompt], [a], [grid_a])
     with pytest.raises(TypeError, match="not a vision-language model"):
         from tests.helpers import tiny_family_model
@@ -167,6 +167,79 @@ def test_images_in_chunks_are_checked():
     text_model = transformers.AutoModelForCausalLM.from_config(config).double()
     with pytest.raises(TypeError, match="takes no images"):
         dta_fast.tree_backward(text_model, tree, loss, images=images)
+
+
+def video(family: str, frames: int, tokens: int) -> list[int]:
+    """A video's placeholders: one run (Qwen2.5-VL), or one run per frame after its timestamp (Qwen3-VL)."""
+    if family == "qwen2.5-vl":
+        return [VISION_START] + [VIDEO] * frames * tokens + [VISION_END]
+    return [t for f in range(frames) for t in [60 + f, VISION_START] + [VIDEO] * tokens + [VISION_END]]
+
+
+def rollouts_with_videos(family: str):
+    """A prompt showing a video (3 rollouts), and a prompt showing an image then another video (2)."""
+    g = torch.Generator().manual_seed(7)
+    (a, grid_a), _, _ = pictures()
+    v1, v2 = ((torch.randn(f * 16, 12, generator=g, dtype=torch.float64), torch.tensor([[f, 4, 4]])) for f in (2, 3))
+    p1 = [1, 3] + video(family, 2, 4) + [5]
+    p2 = [1, 4] + image(4) + [7] + video(family, 3, 4) + [8]
+    none = (torch.zeros(0, 12, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.long))
+    rows = [(p1 + r, none, v1, [0.5]) for r in ([10, 11], [10, 12], [13])]
+    rows += [(p2 + r, (a, grid_a), v2, [1.0]) for r in ([20], [21, 22])]
+    sequences = [r[0] for r in rows]
+    images = ([r[1][0] for r in rows], [r[1][1] for r in rows])
+    videos = [[r[2][0] for r in rows], [r[2][1] for r in rows]]
+    if family == "qwen2.5-vl":
+        videos.append([torch.tensor(r[3]) for r in rows])
+    return sequences, images, tuple(videos)
+
+
+def each_rollout_alone_with_videos(model, family, sequences, images, videos):
+    rows = []
+    for i, s in enumerate(sequences):
+        ids = torch.tensor([s])
+        kw = dict(pixel_values_videos=videos[0][i], video_grid_thw=videos[1][i])
+        if len(images[1][i]):
+            kw.update(pixel_values=images[0][i], image_grid_thw=images[1][i])
+        if family == "qwen2.5-vl":
+            kw["second_per_grid_ts"] = videos[2][i]
+        types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        logits = model(input_ids=ids, mm_token_type_ids=types, **kw).logits[0, :-1].double()
+        rows.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0])
+    width = max(map(len, sequences)) - 1
+    return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_videos_in_the_tree_equal_each_rollout_alone(family, monkeypatch):
+    """Videos (Qwen3-VL's split into a run per frame by timestamps) beside images: both twins and
+    tree_backward in chunks give each rollout alone's logprobs and every gradient; the tower runs once on
+    the images and once on the videos, each distinct one once."""
+    model = tiny_vl_model(family)
+    sequences, images, videos = rollouts_with_videos(family)
+    tree, packed = dta_ref.pack_images(model, sequences, *images, videos=videos)
+    assert packed.video_grid_thw.tolist() == [[2, 4, 4], [3, 4, 4]] and packed.image_grid_thw.tolist() == [[1, 4, 4]]
+    want = each_rollout_alone_with_videos(model, family, sequences, images, videos)
+    weighted(want, tree).backward()
+    want_grads = grads(model)
+    seen = []
+    forward = model.model.visual.forward
+    monkeypatch.setattr(model.model.visual, "forward", lambda x, **kw: seen.append(len(x)) or forward(x, **kw))
+    for name, twin in TWINS.items():
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        got = twin(model, tree, images=packed)
+        assert sorted(seen) == [16, 32 + 48], (name, seen)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+        weighted(got, tree).backward()
+        assert float((grads(model) - want_grads).norm() / want_grads.norm()) < 1e-6, name
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for chunk in (3, 7):
+        model.zero_grad(set_to_none=True)
+        loss = LinearizedLoss(g * tree.logprob_mask)
+        got, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk, images=packed)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+        assert float((grads(model) - want_grads).norm() / want_grads.norm()) < 1e-6, chunk
 
 
 def _distributed_images_worker(rank, world, init_file, family, want_lp, want_grads):

@@ -1,4 +1,4 @@
-"""Images in depth-first chunks: the vision tower runs once per step, each chunk reads its share.
+"""Images (and videos) in depth-first chunks: the vision tower runs once per step, each chunk reads its share.
 
 A vision-language model's forward fills each image placeholder with a row of the vision tower's output
 (and, in Qwen3-VL, adds rows of its deepstack features to early layers). In packed order the
@@ -23,8 +23,8 @@ from dta_ref.tree import PrefixTree
 
 
 class ChunkImages:
-    """The images of a chunked step, encoded once; :meth:`chunk` gives a chunk's share, :meth:`backward`
-    runs the vision tower's backward after the last chunk."""
+    """The images (and videos) of a chunked step, encoded once; :meth:`chunk` gives a chunk's share,
+    :meth:`backward` runs the vision tower's backward after the last chunk."""
 
     def __init__(self, model, images: TreeImages, tree: PrefixTree):
         trunk = getattr(model, "model", None)
@@ -36,40 +36,46 @@ class ChunkImages:
                 ">= 5.18), which images in several chunks need: upgrade transformers, or score the images "
                 "in one forward (tree_logprobs(images=...) or one chunk)"
             )
-        self.images = images
-        placeholder = model.config.image_token_id
-        self.before = np.concatenate([[0], np.cumsum((tree.tokens == placeholder).cpu().numpy())])
-        self.output = None
-        if len(images.image_grid_thw):
-            self.output = trunk.get_image_features(images.pixel_values, images.image_grid_thw, return_dict=True)
+        self.images, tokens = images, tree.tokens.cpu().numpy()
+        self.kinds = {}  # kind -> (the tower's output record, its tensors, their leaves, placeholders before)
+        for kind, (pixels, grids) in images.media().items():
+            output = getattr(trunk, f"get_{kind}_features")(pixels, grids, return_dict=True)
             # the tower's outputs, each one [placeholders, width] in packed order, and their leaves
-            self.outputs = [torch.cat(self.output.pooler_output)]
-            self.outputs += [torch.cat(f) for f in getattr(self.output, "deepstack_features", None) or ()]
-            self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in self.outputs]
-            if self.outputs[0].shape[0] != self.before[-1]:
+            tensors = [torch.cat(output.pooler_output)]
+            tensors += [torch.cat(f) for f in getattr(output, "deepstack_features", None) or ()]
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            before = np.concatenate([[0], np.cumsum(tokens == getattr(model.config, f"{kind}_token_id"))])
+            if tensors[0].shape[0] != before[-1]:
                 raise ValueError(
-                    f"the vision tower gave {self.outputs[0].shape[0]} rows for {self.before[-1]} image "
-                    "placeholders: pack the images with the tree (dta_ref.pack_images)"
+                    f"the vision tower gave {tensors[0].shape[0]} rows for {before[-1]} {kind} placeholders: "
+                    "pack the images with the tree (dta_ref.pack_images)"
                 )
+            self.kinds[kind] = (output, tensors, leaves, before)
 
     def chunk(self, a: int, b: int) -> TreeImages:
         """Packed tokens [a, b)'s rotary positions and the rows of their placeholders."""
-        lo, hi = int(self.before[a]), int(self.before[b])
         empty = self.images.image_grid_thw[:0]
         share = TreeImages(self.images.pixel_values[:0], empty, self.images.position_ids[:, a:b])
-        if lo == hi:
-            return share
-        rows = [leaf[lo:hi] for leaf in self.leaves]
-        encoded = copy.copy(self.output)  # the model's own output record, its rows this chunk's
-        encoded.pooler_output = (rows[0],)
-        if len(rows) > 1:
-            encoded.deepstack_features = [(r,) for r in rows[1:]]
-        return dataclasses.replace(share, encoded={"image": encoded})
+        encoded = {}
+        for kind, (output, _, leaves, before) in self.kinds.items():
+            lo, hi = int(before[a]), int(before[b])
+            if lo == hi:
+                continue
+            rows = [leaf[lo:hi] for leaf in leaves]
+            record = copy.copy(output)  # the model's own output record, its rows this chunk's
+            record.pooler_output = (rows[0],)
+            if len(rows) > 1:
+                record.deepstack_features = [(r,) for r in rows[1:]]
+            encoded[kind] = record
+        return dataclasses.replace(share, encoded=encoded) if encoded else share
 
     def backward(self) -> None:
         """The vision tower's backward, with what every chunk left on its outputs."""
-        if self.output is None:
-            return
-        pairs = [(t, leaf.grad) for t, leaf in zip(self.outputs, self.leaves) if leaf.grad is not None]
+        pairs = [
+            (t, leaf.grad)
+            for _, tensors, leaves, _ in self.kinds.values()
+            for t, leaf in zip(tensors, leaves, strict=True)
+            if leaf.grad is not None
+        ]
         if pairs:
             torch.autograd.backward(*zip(*pairs))
