@@ -85,7 +85,7 @@ def pack_images(model, sequences, pixel_values, image_grid_thw, *, videos=None) 
                 f"one {kind} pixel_values and one {kind}_grid_thw per rollout: got {len(sequences)} rollouts, "
                 f"{len(pixels)} pixel_values, {len(grids)} {kind}_grid_thw"
             )
-    # each rollout's media items, as (kind, grid, patches, seconds) and the key of their content
+    # each rollout's media items, as (kind, grid, patches, seconds, runs) and the key of their content
     keys, items, keyed = {}, [], []
     for i, seq in enumerate(sequences):
         seq = list(seq)
@@ -105,8 +105,14 @@ def pack_images(model, sequences, pixel_values, image_grid_thw, *, videos=None) 
     tree = dataclasses.replace(
         tree, tokens=torch.where(surrogate, placeholders[item_of_token.clamp(min=0)], tree.tokens)
     )
-    # the items in the order their first runs appear in the packed forest, per kind
-    order = list(dict.fromkeys(item_of_token[surrogate].tolist()))
+    # the items in the order their runs appear in the packed forest, per kind: an item at two places of
+    # the forest (the same image after different tokens) twice, a video split into runs once per its runs
+    starts = surrogate & torch.cat([torch.ones(1, dtype=torch.bool), item_of_token[1:] != item_of_token[:-1]])
+    seen, order = {}, []
+    for k in item_of_token[starts].tolist():
+        seen[k] = seen.get(k, 0) + 1
+        if (seen[k] - 1) % items[k][4] == 0:
+            order.append(k)
     packed = {}
     for kind in media:
         mine = [items[k] for k in order if items[k][0] == kind]
@@ -120,8 +126,9 @@ def pack_images(model, sequences, pixel_values, image_grid_thw, *, videos=None) 
 
 
 def _items_of(i, seq, kind, placeholder, config, pixels, grids, seconds):
-    """Rollout i's media of one kind: (start, end, (key, (kind, grid, patches))) per placeholder run; an
-    item's runs together hold its t h w / merge^2 placeholders."""
+    """Rollout i's media of one kind: (start, end, (key, (kind, grid, patches, seconds, runs))) per
+    placeholder run; an item's runs (one, or a video's frames) together hold its t h w / merge^2
+    placeholders."""
     merge = config.vision_config.spatial_merge_size
     grids = torch.as_tensor(grids).reshape(-1, 3)
     sizes = grids.prod(-1).tolist()
@@ -135,10 +142,12 @@ def _items_of(i, seq, kind, placeholder, config, pixels, grids, seconds):
         start += n
         second = None if seconds is None else float(torch.as_tensor(seconds[i]).reshape(-1)[g])
         key = (kind, tuple(grid.tolist()), patches.shape, _content(patches), second)
+        mine = []
         while need > 0 and r < len(runs):
-            out.append((*runs[r], (key, (kind, grid, patches, second))))
+            mine.append(runs[r])
             need -= runs[r][1] - runs[r][0]
             r += 1
+        out += [(a, b, (key, (kind, grid, patches, second, len(mine)))) for a, b in mine]
         if need != 0:
             break
     if r != len(runs) or sum(b - a for a, b, _ in out) != sum(expected):

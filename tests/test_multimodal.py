@@ -177,14 +177,14 @@ def video(family: str, frames: int, tokens: int) -> list[int]:
 
 
 def rollouts_with_videos(family: str):
-    """A prompt showing a video (3 rollouts), and a prompt showing an image then another video (2)."""
+    """A prompt showing an image and a video (3 rollouts), and a prompt showing the same image after other
+    tokens, then another video (2)."""
     g = torch.Generator().manual_seed(7)
     (a, grid_a), _, _ = pictures()
     v1, v2 = ((torch.randn(f * 16, 12, generator=g, dtype=torch.float64), torch.tensor([[f, 4, 4]])) for f in (2, 3))
-    p1 = [1, 3] + video(family, 2, 4) + [5]
+    p1 = [1, 3] + image(4) + video(family, 2, 4) + [5]  # image a also in p2: two places of the forest
     p2 = [1, 4] + image(4) + [7] + video(family, 3, 4) + [8]
-    none = (torch.zeros(0, 12, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.long))
-    rows = [(p1 + r, none, v1, [0.5]) for r in ([10, 11], [10, 12], [13])]
+    rows = [(p1 + r, (a, grid_a), v1, [0.5]) for r in ([10, 11], [10, 12], [13])]
     rows += [(p2 + r, (a, grid_a), v2, [1.0]) for r in ([20], [21, 22])]
     sequences = [r[0] for r in rows]
     images = ([r[1][0] for r in rows], [r[1][1] for r in rows])
@@ -218,7 +218,8 @@ def test_videos_in_the_tree_equal_each_rollout_alone(family, monkeypatch):
     model = tiny_vl_model(family)
     sequences, images, videos = rollouts_with_videos(family)
     tree, packed = dta_ref.pack_images(model, sequences, *images, videos=videos)
-    assert packed.video_grid_thw.tolist() == [[2, 4, 4], [3, 4, 4]] and packed.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert packed.video_grid_thw.tolist() == [[2, 4, 4], [3, 4, 4]]
+    assert packed.image_grid_thw.tolist() == [[1, 4, 4]] * 2  # one image at two places of the forest
     want = each_rollout_alone_with_videos(model, family, sequences, images, videos)
     weighted(want, tree).backward()
     want_grads = grads(model)
@@ -229,7 +230,7 @@ def test_videos_in_the_tree_equal_each_rollout_alone(family, monkeypatch):
         model.zero_grad(set_to_none=True)
         seen.clear()
         got = twin(model, tree, images=packed)
-        assert sorted(seen) == [16, 32 + 48], (name, seen)
+        assert sorted(seen) == [16 + 16, 32 + 48], (name, seen)
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
         weighted(got, tree).backward()
         assert float((grads(model) - want_grads).norm() / want_grads.norm()) < 1e-6, name
