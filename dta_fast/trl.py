@@ -338,16 +338,17 @@ class TreeGRPOTrainer(GRPOTrainer):
         input_ids, attention_mask = torch.cat(rows), torch.cat(masks)  # one generation: the same widths
         completion = batches[0]["completion_ids"].size(1)
         multimodal = [{k: b[k] for k in self._QWEN_VL_INPUTS if b.get(k) is not None} for b in batches]
-        with torch.no_grad():  # one packed scoring of every row (of each micro-batch's, with images)
+        parts = [(input_ids, attention_mask, {})]  # one packed scoring of every row
+        if any(multimodal):  # ... or each micro-batch's rows with their images
+            parts = list(zip(rows, masks, multimodal, strict=True))
+        with torch.no_grad():
             scored = [
                 self._get_per_token_logps_and_entropies(
                     model, ids, mask, completion, batch_size=ids.size(0), compute_entropy=True, **mm
                 )
-                for ids, mask, mm in zip(rows, masks, multimodal, strict=True)
-            ] if any(multimodal) else [self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, completion, batch_size=input_ids.size(0), compute_entropy=True
-            )]  # fmt: skip
-            logps, entropies = (torch.cat([x[i] for x in scored]) for i in (0, 1))
+                for ids, mask, mm in parts
+            ]
+        logps, entropies = (torch.cat([x[i] for x in scored]) for i in (0, 1))
         losses, grads, start = [], [], 0
         original = self._get_per_token_logps_and_entropies
         for batch, ids in zip(batches, rows):
