@@ -16,7 +16,7 @@ from .tree import build_tree
 
 def block_logprobs_and_entropy(
     model, input_ids, attention_mask, first_column: int, temperature: float = 1.0, vocab_head=None,
-    router_aux_loss: bool = False, images=None,
+    router_aux_loss: bool = False, images=None, packed=None,
 ):  # fmt: skip
     """Logprobs and entropies [B, L - first_column] of a padded batch's tokens from ``first_column`` on.
 
@@ -29,7 +29,8 @@ def block_logprobs_and_entropy(
     but nothing before it is refused: that token has no context to be
     scored from (a logprob of 0 would read as a certain token). ``images``:
     a vision-language model's ``(pixel_values, image_grid_thw)`` per row,
-    packed with the rows by ``dta_ref.pack_images``.
+    packed with the rows by ``dta_ref.pack_images``; ``packed``: its result
+    (tree, images) where the caller packed them already.
     """
     temperature = check_temperature(temperature)
     layout = PaddedLayout.of(attention_mask)
@@ -41,9 +42,12 @@ def block_logprobs_and_entropy(
             "be scored from"
         )
     sequences = layout.sequences(input_ids)
-    tree, packed = build_tree(sequences), None
-    if images is not None:
+    if packed is not None:
+        tree, packed = packed
+    elif images is not None:
         tree, packed = pack_images(model, sequences, *images)
+    else:
+        tree = build_tree(sequences)
     wanted = layout.to_tree(block, first_column, fill=False)
     head = adapt(model).head
     hidden, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss, images=packed)

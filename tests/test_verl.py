@@ -77,7 +77,7 @@ def _without_a_prompt(batch, row=5):
     [
         (lambda b: (b[0], b[1], b[2], b[3].roll(1, 0)), "last response_length columns"),
         (lambda b: (b[0], b[1], b[2] + 1, b[3]), "count the tokens of each row"),
-        (lambda b: (b[0], b[1], b[2][:, None].expand(-1, 3, -1), b[3]), "multimodal 3-D positions"),
+        (lambda b: (b[0], b[1], b[2][:, None].expand(-1, 3, -1), b[3]), "multimodal positions need multi_modal_inputs"),
         (lambda b: (b[0], b[1], b[2], b[3][0]), "responses must be a 2-D tensor"),
         (lambda b: (b[0], torch.where(b[1] == 1, 1, 0).index_fill(1, torch.tensor([5]), 0), b[2], b[3]), "contiguous"),
         (lambda b: (b[0], b[1][:, 1:], b[2], b[3]), "attention_mask must be .batch, length. like input_ids"),
@@ -185,3 +185,52 @@ def test_verl_values_checks_the_micro_batch():
         verl_values(critic, *_without_a_prompt(batch))
     with pytest.raises(TypeError, match="no value head"):
         verl_values(tiny_hf_model("qwen2", torch.float32, "sdpa"), *batch)
+
+
+def test_verl_log_probs_with_images():
+    """A Qwen2.5-VL micro-batch as verl lays it out (multi_modal_inputs per row, positions [B, 4, L]: the
+    text count over the model's own rotary positions): each response token's logprob and gradient are
+    each rollout alone's, each distinct image encoded once; wrong positions and videos are refused."""
+    from tests.helpers import IMAGE, VISION_END, VISION_START, tiny_vl_model
+
+    model = tiny_vl_model("qwen2.5-vl")
+    g = torch.Generator().manual_seed(3)
+    pictures = [(torch.randn(16, 12, generator=g, dtype=torch.float64), torch.tensor([[1, 4, 4]])) for _ in range(2)]
+    prompt = [[1, 3, VISION_START] + [IMAGE] * 4 + [VISION_END, 5 + k] for k in range(2)]
+    prompts, responses = [prompt[0]] * 3 + [prompt[1]] * 2, [[10, 11], [10, 12, 13], [14], [20, 21], [22]]
+    rows = [pictures[0]] * 3 + [pictures[1]] * 2
+    input_ids, attention_mask, text, responses_t = verl_micro_batch(prompts, responses)
+    positions = torch.zeros(len(rows), 4, input_ids.shape[1], dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids = torch.tensor([p + r])
+        rope, _ = model.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=rows[i][1])
+        real = attention_mask[i].bool()
+        positions[i, 0], positions[i, 1:, real] = text[i], rope[:, 0]
+    inputs = [{"pixel_values": x, "image_grid_thw": grid} for x, grid in rows]
+    seen = []
+    forward = model.model.visual.forward
+    model.model.visual.forward = lambda x, **kw: seen.append(len(x)) or forward(x, **kw)
+    out = verl_log_probs(model, input_ids, attention_mask, positions, responses_t, multi_modal_inputs=inputs)
+    assert seen == [32]  # two distinct images, 16 patches each, once
+    got_loss, want_loss = 0, 0
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids = torch.tensor([p + r])
+        logits = model(input_ids=ids, pixel_values=rows[i][0], image_grid_thw=rows[i][1],
+                       mm_token_type_ids=(ids == IMAGE).int()).logits[0, len(p) - 1 : -1]  # fmt: skip
+        want = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, len(p) :, None])[:, 0]
+        torch.testing.assert_close(out.log_probs[i, : len(r)].double(), want.detach(), rtol=1e-10, atol=1e-10)
+        w = torch.randn(len(r), generator=g, dtype=torch.float64)
+        got_loss, want_loss = got_loss + (out.log_probs[i, : len(r)] * w).sum(), want_loss + (want * w).sum()
+    params = list(model.parameters())
+    got = torch.cat([x.flatten() for x in torch.autograd.grad(got_loss, params)])
+    want = torch.cat([x.flatten() for x in torch.autograd.grad(want_loss, params)])
+    assert float((got - want).norm() / want.norm()) < 1e-6  # the vision tower's gradient included
+    wrong = positions.clone()
+    wrong[0, 2, -3] += 1
+    with pytest.raises(ValueError, match="not the model's own"):
+        verl_log_probs(model, input_ids, attention_mask, wrong, responses_t, multi_modal_inputs=inputs)
+    with pytest.raises(ValueError, match="position_ids must be \\[batch, 3 or 4, length\\] with images"):
+        verl_log_probs(model, input_ids, attention_mask, text, responses_t, multi_modal_inputs=inputs)
+    videos = [dict(row, pixel_values_videos=row["pixel_values"]) for row in inputs]
+    with pytest.raises(ValueError, match="not \\['pixel_values_videos'\\]"):
+        verl_log_probs(model, input_ids, attention_mask, positions, responses_t, multi_modal_inputs=videos)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dta_ref.multimodal import pack_images
 from dta_ref.padded import PaddedLayout
 
 from ..trainer_common import block_logprobs_and_entropy
@@ -43,28 +44,77 @@ def verl_log_probs(
     *,
     temperature: float = 1.0,
     calculate_entropy: bool = False,
+    multi_modal_inputs=None,
 ) -> ResponseLogProbs:
     """log p(response token) and the entropy, [B, R], for a verl micro-batch, through one prefix tree.
 
     ``position_ids`` must be verl's text positions (the running count of
     tokens, as ``compute_position_id_with_mask`` makes them): the tree gives
-    every token its depth, which is that count. Multimodal 3-D positions
-    (mrope) are refused.
+    every token its depth, which is that count. A vision-language micro-batch
+    passes verl's ``multi_modal_inputs`` (one dict per row, with its
+    ``pixel_values`` and ``image_grid_thw``) and its multimodal positions
+    [B, 3 or 4, L], which must be the model's own (``get_rope_index``; with 4
+    axes the first is the text count): each distinct image is encoded once.
     """
-    _check_micro_batch(input_ids, attention_mask, position_ids, responses)
+    images = None if multi_modal_inputs is None else images_of_rows(multi_modal_inputs)
+    layout = _check_micro_batch(input_ids, attention_mask, position_ids, responses, multimodal=images is not None)
+    packed = None
+    if images is not None:
+        packed = pack_images(model, layout.sequences(input_ids), *images)
+        _check_padded_positions(position_ids, attention_mask, layout, *packed)
     first_column = input_ids.shape[1] - responses.shape[1]
-    log_probs, entropy, *_ = block_logprobs_and_entropy(model, input_ids, attention_mask, first_column, temperature)
+    log_probs, entropy, *_ = block_logprobs_and_entropy(
+        model, input_ids, attention_mask, first_column, temperature, packed=packed
+    )
     return ResponseLogProbs(log_probs, entropy if calculate_entropy else None)
 
 
-def _check_micro_batch(input_ids, attention_mask, position_ids, responses) -> PaddedLayout:
-    """The rows' layout, once the micro-batch is checked to be verl's: text positions, responses the tail."""
+IMAGE_INPUTS = {"pixel_values", "image_grid_thw"}
+
+
+def images_of_rows(rows):
+    """verl's ``multi_modal_inputs`` (one dict per row) as each row's (pixel_values, image_grid_thw); None
+    when no row has an image. Other inputs (videos) are refused by name."""
+    rows = [getattr(row, "data", row) or {} for row in rows]
+    if not any(row.get("pixel_values") is not None for row in rows):
+        return None
+    other = sorted({key for row in rows for key, value in row.items() if value is not None} - IMAGE_INPUTS)
+    if other:
+        raise ValueError(f"multi_modal_inputs on the tree take images (pixel_values, image_grid_thw), not {other}")
+    pixels = [row.get("pixel_values", torch.zeros(0)) for row in rows]
+    grids = [row.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)) for row in rows]
+    return pixels, grids
+
+
+def _check_padded_positions(position_ids, attention_mask, layout, tree, images) -> None:
+    """A padded multimodal micro-batch's positions [B, 3 or 4, L] must be the model's own per row."""
+    for i in range(position_ids.shape[0]):
+        real = attention_mask[i].bool().to(position_ids.device)
+        given = position_ids[i][:, real].to(images.position_ids.device)
+        want = images.position_ids[:, tree.seq_index[i, : int(real.sum())].to(images.position_ids.device)]
+        if given.shape[0] == 4:  # verl's text positions over the three rotary axes
+            text, given = given[0], given[1:]
+            if not torch.equal(text, torch.arange(len(text), device=text.device)):
+                raise ValueError(f"row {i}: its text positions do not count its tokens from 0")
+        if not torch.equal(given, want):
+            raise ValueError(f"row {i}: the multimodal positions are not the model's own (get_rope_index)")
+
+
+def _check_micro_batch(input_ids, attention_mask, position_ids, responses, multimodal=False) -> PaddedLayout:
+    """The rows' layout, once the micro-batch is checked to be verl's: text positions (multimodal ones are
+    checked against the packed images), responses the tail."""
     for name, x in (("input_ids", input_ids), ("responses", responses)):
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor [batch, length], got {getattr(x, 'shape', x)}")
     for name, x in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if name == "position_ids" and multimodal:
+            B, L = input_ids.shape
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or (x.shape[0], x.shape[2]) != (B, L) or x.shape[1] < 3:
+                shape = getattr(x, "shape", x)
+                raise ValueError(f"position_ids must be [batch, 3 or 4, length] with images, got {shape}")
+            continue
         if not isinstance(x, torch.Tensor) or x.shape != input_ids.shape:
-            hint = " (multimodal 3-D positions are not supported)" if name == "position_ids" else ""
+            hint = " (multimodal positions need multi_modal_inputs)" if name == "position_ids" else ""
             raise ValueError(
                 f"{name} must be [batch, length] like input_ids {tuple(input_ids.shape)}, got "
                 f"{tuple(getattr(x, 'shape', ()))}{hint}"
@@ -76,6 +126,8 @@ def _check_micro_batch(input_ids, attention_mask, position_ids, responses) -> Pa
     if not torch.equal(responses, input_ids[:, width - response_length :]):
         raise ValueError("responses must equal the last response_length columns of input_ids")
     layout = PaddedLayout.of(attention_mask)
+    if multimodal:
+        return layout
     columns = torch.arange(width, device=position_ids.device)
     depth = columns - layout.start.to(position_ids.device)[:, None]
     real = attention_mask.bool().to(position_ids.device)

@@ -45,8 +45,8 @@ from dta_ref.values import gather_tree_values, value_head_of
 
 from ..logprobs import gather_logprobs_chunked, packed_hidden
 from ..tree import build_tree
+from . import images_of_rows
 
-_IMAGE_INPUTS = {"pixel_values", "image_grid_thw"}
 # flags of a micro-batch naming outputs or inputs the tree does not compute
 _REFUSED_FLAGS = {
     "distillation_use_topk": "top-k distillation",
@@ -169,17 +169,7 @@ def _images_per_row(micro_batch):
     """verl's ``multi_modal_inputs`` (one dict per rollout) as each rollout's (pixel_values, image_grid_thw);
     None for a text micro-batch. Videos are refused."""
     rows = micro_batch.get("multi_modal_inputs", None) if "multi_modal_inputs" in micro_batch.keys() else None
-    if rows is None:
-        return None
-    rows = [getattr(row, "data", row) or {} for row in rows]
-    if not any(row.get("pixel_values") is not None for row in rows):
-        return None
-    other = sorted({key for row in rows for key, value in row.items() if value is not None} - _IMAGE_INPUTS)
-    if other:
-        raise ValueError(f"the tree engines take images (pixel_values, image_grid_thw), not {other}")
-    pixels = [row.get("pixel_values", torch.zeros(0)) for row in rows]
-    grids = [row.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)) for row in rows]
-    return pixels, grids
+    return None if rows is None else images_of_rows(rows)
 
 
 def _check_positions(position_ids, offsets, lengths, tree, images) -> None:
