@@ -272,8 +272,8 @@ VIDEO = 71  # ... and their video placeholder
 
 
 def tiny_vl_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
-    """A seeded tiny vision-language model, ``"qwen2.5-vl"`` or ``"qwen3-vl"`` (2 text layers of hidden 32,
-    a 2-block vision tower of patch 2 merging 2 x 2 patches per token), in eval mode."""
+    """A seeded tiny vision-language model, ``"qwen2.5-vl"``, ``"qwen3-vl"`` or ``"qwen3.5-vl"`` (2 text layers
+    of hidden 32, a 2-block vision tower of patch 2 merging 2 x 2 patches per token), in eval mode."""
     import transformers
 
     text = dict(
@@ -297,6 +297,13 @@ def tiny_vl_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0
         config = transformers.Qwen3VLConfig(
             text_config=text, vision_config=dict(vision, num_position_embeddings=16, deepstack_visual_indexes=[0]),
             **tokens,
+        )  # fmt: skip
+    elif family == "qwen3.5-vl":  # a hybrid: a Gated DeltaNet layer, then an attention layer
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                   "mrope_interleaved": True, "partial_rotary_factor": 1.0}  # fmt: skip
+        text.update(LINEAR)
+        config = transformers.Qwen3_5Config(
+            text_config=text, vision_config=dict(vision, num_position_embeddings=16), **tokens
         )  # fmt: skip
     else:
         raise ValueError(f"unknown vision-language family {family!r}")

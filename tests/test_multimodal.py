@@ -1,8 +1,11 @@
-"""Vision-language policies on the tree (Qwen2.5-VL, Qwen3-VL with deepstack): images in a shared prompt
-encoded once, logprobs and every parameter gradient (the vision tower's included) those of each rollout
-run alone through the model's own forward with its own images and rotary positions."""
+"""Vision-language policies on the tree (Qwen2.5-VL, Qwen3-VL with deepstack, Qwen3.5 with Gated DeltaNet
+layers): images and videos in a shared prompt encoded once, logprobs and every parameter gradient (the
+vision tower's included) those of each rollout run alone through the model's own forward with its own
+images and rotary positions."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -12,7 +15,15 @@ import dta_ref
 from dta_fast.trainer_common import LinearizedLoss
 from tests.helpers import IMAGE, VIDEO, VISION_END, VISION_START, tiny_family_model, tiny_vl_model
 
-FAMILIES = ("qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen2.5-vl", "qwen3-vl", "qwen3.5-vl")  # Qwen3.5: a hybrid (Gated DeltaNet layers) with images
+# logprobs and relative gradient error against each rollout alone (float64 models): transformers' RMSNorm rounds
+# its backward through float32, and the hybrid's delta rule computes in float32 whatever the model's dtype
+
+
+def tolerance(family: str) -> tuple[float, float]:
+    return (3e-7, 1e-5) if family == "qwen3.5-vl" else (1e-10, 1e-6)
+
+
 TWINS = {"ref": dta_ref.tree_logprobs, "fast": dta_fast.tree_logprobs}
 
 
@@ -87,10 +98,11 @@ def test_images_in_the_tree_equal_each_rollout_alone(family, twin, monkeypatch):
     monkeypatch.setattr(model.model.visual, "forward", lambda x, **kw: seen.append(len(x)) or forward(x, **kw))
     got = TWINS[twin](model, tree, images=images)
     assert seen == [16 + 16 + 32]  # one call, every distinct image's patches once
-    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+    lp_tol, grad_tol = tolerance(family)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=lp_tol, atol=lp_tol)
     weighted(got, tree).backward()
     err = float((grads(model) - want_grads).norm() / want_grads.norm())
-    assert err < 1e-6, err  # transformers' RMSNorm rounds its backward through float32 in a float64 model
+    assert err < grad_tol, err
 
 
 def test_text_only_rollouts_of_a_vision_language_model():
@@ -146,9 +158,10 @@ def test_images_in_depth_first_chunks(family, monkeypatch):
         seen.clear()
         got, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk, recompute=recompute, images=images)
         assert seen == [16 + 16 + 32], (chunk, seen)
-        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+        lp_tol, grad_tol = tolerance(family)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=lp_tol, atol=lp_tol)
         err = float((grads(model) - want_grads).norm() / want_grads.norm())
-        assert err < 1e-6, (chunk, recompute, err)
+        assert err < grad_tol, (chunk, recompute, err)
 
 
 def test_images_in_chunks_are_checked():
@@ -231,16 +244,17 @@ def test_videos_in_the_tree_equal_each_rollout_alone(family, monkeypatch):
         seen.clear()
         got = twin(model, tree, images=packed)
         assert sorted(seen) == [16 + 16, 32 + 48], (name, seen)
-        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
+        lp_tol, grad_tol = tolerance(family)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=lp_tol, atol=lp_tol)
         weighted(got, tree).backward()
-        assert float((grads(model) - want_grads).norm() / want_grads.norm()) < 1e-6, name
+        assert float((grads(model) - want_grads).norm() / want_grads.norm()) < grad_tol, name
     g = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     for chunk in (3, 7):
         model.zero_grad(set_to_none=True)
         loss = LinearizedLoss(g * tree.logprob_mask)
         got, _ = dta_fast.tree_backward(model, tree, loss, max_chunk_tokens=chunk, images=packed)
-        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-10, atol=1e-10)
-        assert float((grads(model) - want_grads).norm() / want_grads.norm()) < 1e-6, chunk
+        torch.testing.assert_close(got.double(), want.detach(), rtol=lp_tol, atol=lp_tol)
+        assert float((grads(model) - want_grads).norm() / want_grads.norm()) < grad_tol, chunk
 
 
 def _distributed_images_worker(rank, world, init_file, family, want_lp, want_grads):
@@ -261,12 +275,15 @@ def _distributed_images_worker(rank, world, init_file, family, want_lp, want_gra
         )
         mine = want_lp[indices]  # this rank's rollouts, as wide as its longest
         assert not mine[:, lp.shape[1] :].any()
-        torch.testing.assert_close(lp.double(), mine[:, : lp.shape[1]], rtol=1e-10, atol=1e-10)
+        lp_tol, grad_tol = tolerance(family)
+        torch.testing.assert_close(lp.double(), mine[:, : lp.shape[1]], rtol=lp_tol, atol=lp_tol)
         err = float((grads(model) - want_grads).norm() / want_grads.norm())
-        assert err < 1e-6, err
+        assert err < grad_tol, err
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        # a gloo work still referenced at interpreter shutdown can abort the process (tests/test_distributed.py)
+        gc.collect()
 
 
 @pytest.mark.slow
