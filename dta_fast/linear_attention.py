@@ -80,9 +80,21 @@ class TreeLinearMixing(_Reference):
         _check_whole_forest(initial_state, cu_seqlens)
         _check_one_row("the delta rule's query", query)
         if self._segments is None:  # once per forward, on the first linear-attention layer
-            self._segments = segments(self.parent)
-        out, _ = run_segments(
-            original, query, key, value, g, beta, self._segments, [None] * len(self._segments),
-            use_qk_l2norm_in_kernel,
+            self._segments = self.plan_segments()
+        entering = self.entering_states(self._segments)
+        out, finals = run_segments(
+            original, query, key, value, g, beta, self._segments, entering, use_qk_l2norm_in_kernel
         )  # fmt: skip
+        self.keep_states(self._segments, finals)
         return out, None
+
+    # what a chunk of tree_backward changes (dta_fast.chunked.linear): where segments end, the states that
+    # enter from earlier chunks, the states later chunks read
+    def plan_segments(self) -> list[tuple[int, int, int]]:
+        return segments(self.parent)
+
+    def entering_states(self, segs) -> list:
+        return [None] * len(segs)
+
+    def keep_states(self, segs, finals) -> None:
+        pass

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dta_ref.linear_attention import _check_one_row, _check_whole_forest
+from dta_ref.linear_attention import _check_one_row
 
-from ..linear_attention import TreeLinearMixing, run_segments, segments
+from ..linear_attention import TreeLinearMixing, segments
 
 
 class LinearStore:
@@ -122,31 +122,28 @@ class ChunkLinearMixing(TreeLinearMixing):
     def _entries(self):
         return self.engine.links.entries[self.c]
 
-    def delta_rule(
-        self, original, query, key, value, g, beta, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
-    ):  # fmt: skip
-        _check_whole_forest(initial_state, cu_seqlens)
-        _check_one_row("the delta rule's query", query)
-        own = self._store(self._layer)
-        exports = self.engine.links.exports[self.c]
-        if self._segments is None:  # once per chunk, on its first linear-attention layer
-            self._segments = segments(self.parent, cut_after=exports)
-        segs = self._segments
-        entering = [None] * len(segs)  # a root segment continuing a token of an earlier chunk: its state
+    def plan_segments(self) -> list[tuple[int, int, int]]:
+        """The chunk's segments, each exported token (a later chunk continues from it) ending one."""
+        return segments(self.parent, cut_after=self.engine.links.exports[self.c])
+
+    def entering_states(self, segs) -> list:
+        """A root segment continuing a token of an earlier chunk starts from that chunk's exported state, read
+        as a leaf."""
+        entering = [None] * len(segs)
         starts = {start: i for i, (start, _, parent) in enumerate(segs) if parent < 0}
         for x, owner, p in self._entries():
             store = self.engine.open[owner].linear[self._layer]
             entering[starts[x]] = store.states[p].clone().requires_grad_(torch.is_grad_enabled())
             self.imports.append((entering[starts[x]], store, ("state", p)))
-        out, finals = run_segments(
-            original, query, key, value, g, beta, segs, entering, use_qk_l2norm_in_kernel
-        )  # fmt: skip
+        return entering
+
+    def keep_states(self, segs, finals) -> None:
+        """The states after the exported tokens, stored for later chunks and recorded for the backward."""
+        own, exports = self._store(self._layer), self.engine.links.exports[self.c]
         for (_, end, _), final in zip(segs, finals, strict=True):
             if end - 1 in exports:
                 own.states.setdefault(end - 1, final.detach())
                 self.exports.append((final, own, ("state", end - 1)))
-        return out, None
 
     # ------------------------------------------------------------------ the backward's plumbing
 
