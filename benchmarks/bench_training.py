@@ -1,6 +1,7 @@
 """One training step (forward + backward) of a Hugging Face model, per-sequence vs tree.
 
     python benchmarks/bench_training.py speed  [--model qwen2-0.5b] [--batches grpo agentic] [--critic]
+    python benchmarks/bench_training.py score  [--model qwen2-0.5b] [--batches grpo agentic]
     python benchmarks/bench_training.py memory [--model qwen3-1.7b]
     python benchmarks/bench_training.py plan   [--model qwen2-0.5b]     # CPU
 
@@ -21,6 +22,11 @@ value (``dta_ref.ValueLoss``, random returns). Methods:
   tree_GGiB    dta_fast.tree_backward with memory_budget_bytes=G GiB (it picks the chunking)
 
 Every tree_backward row plans inside its step (the per-call cost); ``plan`` times planning alone.
+
+``score`` times the forward alone, as a trainer scores its old and reference policies (no gradient):
+each sequence alone against ``dta_fast.tree_logprobs``, and for a hybrid with flash-linear-attention
+installed also ``tree_per_segment`` (each unbranched segment one call instead of each level one
+variable-length call); gated on logprobs against flat, median of ``--repeats``.
 
 ``speed`` runs one warm-up step of each method (its result, gradients and peak), then the timed
 steps round-robin over the methods, so that a host that slows down during the run weighs on all of
@@ -49,6 +55,7 @@ import dta_fast
 from dta_fast.chunked import Forest, MemoryModel, checked_options, chunk_tokens_for_budget, plan_chunks, plan_for_budget
 from dta_fast.chunked.budget import choose_plan
 from dta_ref import PrefixTree, SFTLoss, ValueLoss, sft_loss, value_loss
+from dta_ref.hf import linear_layers_of
 from dta_ref.values import value_head_of
 
 BATCHES = {  # --batches name -> shapes.ROLLOUTS key
@@ -430,6 +437,73 @@ def print_speed(rows):
                 print(f"{row['batch']}: {label} / best hand-picked ({best}): {ratio:.3f}")
 
 
+def score(model, model_name: str, batches: dict, args) -> list[dict]:
+    """Rows of the forward-only table (``score`` mode)."""
+    return [score_row(model, model_name, key, name, sequences, args) for key, (name, sequences) in batches.items()]
+
+
+def flat_scores(model, chains) -> list[torch.Tensor]:
+    """Each sequence alone through the model's own forward: its logprobs."""
+    head, out = model.get_output_embeddings(), []
+    for chain in chains:
+        hidden = model.model(input_ids=chain.tokens[None], use_cache=False).last_hidden_state[0]
+        out.append(dta_fast.gather_logprobs_chunked(hidden, head, chain)[0])
+    return out
+
+
+def per_segment_scores(model, tree):
+    """``tree_logprobs`` with each unbranched segment of a linear-attention layer one kernel call."""
+    import dta_fast.linear_attention as linear
+
+    installed = linear._fla_installed
+    linear._fla_installed = lambda: False
+    try:
+        return dta_fast.tree_logprobs(model, tree)
+    finally:
+        linear._fla_installed = installed
+
+
+def score_row(model, model_name: str, key: str, name: str, sequences, args) -> dict:
+    from dta_fast.linear_attention import _fla_installed
+
+    tree = dta_fast.build_tree(sequences)
+    chains = [PrefixTree.from_sequences([s]).to(device_of(model)) for s in sequences]
+    flat_flops, tree_flops = flat_and_tree_flops(model, tree, sequences)
+    methods = dict(flat=lambda: flat_scores(model, chains), tree=lambda: dta_fast.tree_logprobs(model, tree))
+    if linear_layers_of(model) and _fla_installed():
+        methods["tree_per_segment"] = lambda: per_segment_scores(model, tree)
+    row = dict(batch=name, rollouts=BATCHES.get(key, key), model=model_name, flat_tokens=tree.flat_tokens,
+               tree_tokens=tree.num_tokens, ideal_speedup=flat_flops / tree_flops, methods={})  # fmt: skip
+    reference = None
+    for label, fn in methods.items():
+        with torch.no_grad():
+            seconds, peak, lp = timed_step(model, fn)  # warm-up: the result and peak
+            times = [timed_step(model, fn)[0] for _ in range(args.repeats)] or [seconds]
+        entry = dict(seconds=harness.median(times), peak_gib=peak, step_seconds=times)
+        if reference is None:
+            reference = [x.float() for x in lp]
+        else:
+            error = max(float((lp[i, : x.numel()].float() - x).abs().max()) for i, x in enumerate(reference))
+            entry.update(logprob_max_abs=error, gate_ok=error < LOGPROB_TOLERANCE)
+        row["methods"][label] = entry
+        print(f"{name}: {label} {entry['seconds']:.3f} s, {peak:.1f} GiB", flush=True)
+    base = row["methods"]["flat"]["seconds"]
+    for entry in row["methods"].values():
+        if entry.get("gate_ok"):
+            entry["speedup"] = base / entry["seconds"]
+    return row
+
+
+def print_score(rows):
+    table = [
+        [row["batch"][:48], label, f"{e['seconds']:.3f}", f"{e['peak_gib']:.1f}", harness.cell(e.get("speedup")),
+         f"{row['ideal_speedup']:.2f}", "" if "gate_ok" not in e else ("ok" if e["gate_ok"] else "FAIL")]
+        for row in rows
+        for label, e in row["methods"].items()
+    ]  # fmt: skip
+    harness.print_table(["batch", "method", "s/forward", "peak GiB", "speedup", "ideal", "gate"], table)
+
+
 def memory(model, model_name: str, args) -> list[dict]:
     rows = []
     chunk = args.chunks[0] if args.chunks and args.chunks[0] else 8192
@@ -611,7 +685,7 @@ def plot_memory(rows, path):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["speed", "memory", "plan"])
+    p.add_argument("mode", choices=["speed", "score", "memory", "plan"])
     p.add_argument("--model", default=None, choices=[m for m in shapes.MODELS if m != "llama-24m"])
     p.add_argument("--batches", nargs="+", default=["grpo", "agentic"], choices=list(BATCHES))
     p.add_argument("--chunks", nargs="+", type=int, default=[0, 8192, 2048], help="0 means one chunk")
@@ -658,6 +732,11 @@ def main(argv=None):
         if args.sweep:
             plot_budget(rows, path.with_name(f"{path.stem}_budget_{args.model}.png"))
         print_speed(rows)
+    elif args.mode == "score":
+        batches = {key: batch(key, model.config.vocab_size) for key in args.batches}
+        rows = score(model, args.model, batches, args)
+        harness.write_results("training_score", rows, args.out, key=lambda r: (r["model"], r["batch"]))
+        print_score(rows)
     else:
         rows = memory(model, args.model, args)
         path = harness.write_results(

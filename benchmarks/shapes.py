@@ -359,6 +359,26 @@ MODELS: dict[str, ModelShape] = {
         151936,
         extra=dict(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6),
     ),  # fmt: skip
+    # Qwen3-Next-80B-A3B's layers at 24 layers and 64 experts of 512 (top-8, a shared expert), three Gated
+    # DeltaNet layers to one attention layer: 6.3B parameters, 2.1B active
+    "qwen3-next-6b-a2b": ModelShape(
+        "qwen3_next",
+        2048,
+        5632,
+        24,
+        16,
+        2,
+        256,
+        151936,
+        tie_word_embeddings=False,
+        extra=dict(
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        ),
+    ),  # fmt: skip
     # bench_rollout.py's policy: a small Llama (24.1M parameters) over a 512-token vocabulary
     "llama-24m": ModelShape(
         "llama", 512, 1408, 8, 8, 4, 64, 512, tie_word_embeddings=False, extra=dict(max_position_embeddings=4096)

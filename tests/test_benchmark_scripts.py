@@ -293,6 +293,25 @@ def test_training_benchmark_runs_critics_moe_and_hybrids_on_the_cpu(kind):
     assert 1 < row["ideal_speedup"] < row["flat_tokens"] / row["tree_tokens"]
 
 
+@pytest.mark.parametrize("kind", ["moe", "hybrid"])
+def test_scoring_benchmark_gates_the_forward(kind, monkeypatch, capsys):
+    """``score`` mode: the tree's forward passes the gate against each sequence alone; a wrong forward fails."""
+    import bench_training
+
+    model = TINY_SHAPES[kind][0].build("cpu", dtype=torch.float32)
+    args = bench_training.parser().parse_args(["score", "--repeats", "1"])
+    batches = {"tiny": ("tiny GRPO", grpo_batch(1, 40, 3, 20, vocab_size=300))}
+    (row,) = bench_training.score(model, "tiny", batches, args)
+    assert row["methods"]["tree"]["gate_ok"] and row["methods"]["tree"]["logprob_max_abs"] < 1e-4
+    assert "speedup" in row["methods"]["tree"] and row["ideal_speedup"] > 1
+    bench_training.print_score([row])
+    assert "s/forward" in capsys.readouterr().out
+    right = bench_training.dta_fast.tree_logprobs
+    monkeypatch.setattr(bench_training.dta_fast, "tree_logprobs", lambda m, t: right(m, t) + 1)
+    (row,) = bench_training.score(model, "tiny", batches, args)
+    assert not row["methods"]["tree"]["gate_ok"] and "speedup" not in row["methods"]["tree"]
+
+
 def test_vl_benchmark_runs_and_gates_on_the_cpu():
     """bench_vl.py on a tiny Qwen2.5-VL in float32: the packed tree (each image once) passes the gate."""
     import bench_vl
@@ -508,3 +527,19 @@ def test_cuda_graph_cases_are_registered():
 
     for case in bench_cuda_graphs.CASES:
         assert case.rollouts in shapes.ROLLOUTS and case.heads in shapes.HEADS
+
+
+def test_bf16_drift_measures_each_method_against_float32():
+    """bf16_drift.py on a tiny Qwen3-Next: the float32 tree sits at rounding distance from the float32
+    truth, the bf16 runs measurably further; a tree that computed something else would show."""
+    import bf16_drift
+
+    shape = shapes.ModelShape("qwen3_next", 32, 64, 4, 4, 2, 8, 300, tie_word_embeddings=False, extra=dict(
+        layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16))  # fmt: skip
+    sequences = grpo_batch(1, 40, 3, 20, vocab_size=300)
+    errors = bf16_drift.run(shape, sequences)
+    assert set(errors) == set(bf16_drift.METHODS) - {"each alone, float32, sdpa"}
+    assert errors["tree, float32"]["grad_rel_err"] < 1e-5
+    assert errors["each alone, bfloat16, sdpa"]["grad_rel_err"] > 10 * errors["tree, float32"]["grad_rel_err"]
