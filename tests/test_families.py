@@ -78,6 +78,32 @@ def test_reference_tree_equals_each_rollout_alone(family, rollouts):
 
 
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_hybrid_forks_inside_a_convolution_window(family):
+    """Forks 1, 2 and 3 tokens after the one before (the convolution spans 4 tokens, so its window crosses
+    two or three branch points): both twins and tree_backward in chunks against each rollout alone."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    sequences = [
+        prompt + [10, 11, 12, 13, 14, 15, 16],
+        prompt + [10, 20, 21, 22, 23, 24],  # a fork 1 token after the fork at the prompt's end
+        prompt + [10, 11, 30, 31, 32, 33],  # 2 tokens after
+        prompt + [10, 11, 12, 40, 41, 42, 43],  # 3 tokens after
+        prompt + [50, 51, 52, 53],
+    ]  # each branch longer than the window, so the window's reach below every fork is scored
+    tree = PrefixTree.from_sequences(sequences)
+    model = tiny_family_model(family, torch.float64)
+    want_lp, want_grads = each_rollout_alone(model, sequences, tree)
+    for twin in (dta_ref, dta_fast):
+        model.zero_grad(set_to_none=True)
+        logprobs = twin.tree_logprobs(model, tree)
+        weighted(logprobs, tree).backward()
+        assert_same(logprobs.detach(), grads(model), want_lp, want_grads, 3e-5, f"{twin.__name__}.tree_logprobs")
+    for chunk in (None, 3, 5):
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=chunk)
+        assert_same(logprobs, grads(model), want_lp, want_grads, 3e-5, f"tree_backward, chunks of {chunk}")
+
+
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_hybrid_segments_longer_than_the_kernel_chunk(family):
     """Segments span several of the delta rule's 64-token chunks and forks fall inside one: both twins and
     tree_backward (a chunk boundary inside a segment) against each rollout alone."""
