@@ -136,6 +136,27 @@ def trl_vocab_head(hidden_rows, weight, targets, temperature, float32=False):
     return logprobs, entropy
 
 
+def behaviour_logprobs(kept, input_ids, logits_to_keep) -> torch.Tensor | None:
+    """The sampler's logprobs of ``kept`` ((prompt, completion, logprobs) per row) as GRPOTrainer lays out
+    its old logprobs: [B, logits_to_keep], 0 past each completion. None unless ``input_ids`` holds exactly
+    those rows, in order (left-padded prompts, then the completions)."""
+    if len(kept) != input_ids.size(0):
+        return None
+    ids, first = input_ids.cpu(), input_ids.size(1) - logits_to_keep
+    out = torch.zeros(len(kept), logits_to_keep, dtype=kept[0][2].dtype if kept else torch.float32)
+    for r, (prompt, completion, logprobs) in enumerate(kept):
+        n = len(completion)
+        if (
+            n > logits_to_keep
+            or len(prompt) > first
+            or ids[r, first - len(prompt) : first].tolist() != list(prompt)
+            or ids[r, first : first + n].tolist() != list(completion)
+        ):
+            return None
+        out[r, :n] = logprobs
+    return out.to(input_ids.device)
+
+
 class TreeGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose per-token logprobs come from one prefix tree per micro-batch (same constructor)."""
 
@@ -159,6 +180,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._step_losses = None  # tree_scope="optimizer_step": each micro-batch's loss of the current step
         self._rollout_cache = RolloutCache() if getattr(self.args, "tree_generation", False) else None
         self._sampling = self._tree_sampling() if self._rollout_cache is not None else None
+        self._behaviour = None  # the last generation's (prompt, completion, logprobs), while GRPOTrainer wants them
         if self._chunking is not None and self.aux_loss_enabled:
             raise ValueError(
                 "tree_memory_budget_bytes / tree_max_chunk_tokens train through d loss / d logprob only, and the MoE "
@@ -204,6 +226,11 @@ class TreeGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
+        behaviour, self._behaviour = self._behaviour, None  # kept for the first scoring after generation only
+        if behaviour is not None and model is self.model and not (torch.is_grad_enabled() or compute_entropy):
+            logps = behaviour_logprobs(behaviour, input_ids, logits_to_keep)
+            if logps is not None:
+                return logps, None, None
         images = self._images_per_row(input_ids, **multimodal)
         if images is None and any(multimodal.get(name) is not None for name in self._UNSUPPORTED_INPUTS):
             warnings.warn(
@@ -292,6 +319,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                 model, [list(p) for p in prompt_ids], self.max_completion_length, cache=self._rollout_cache,
                 **self._sampling,
             )  # fmt: skip
+        if self._behaviour_wanted():
+            self._behaviour = list(zip(prompt_ids, out.completions, out.logprobs, strict=True))
         mode = "train" if self.model.training else "eval"
         stats = out.stats
         self._metrics[mode]["tree/accepted_draft_tokens"].append(stats.get("accepted_tokens", 0))
@@ -299,6 +328,21 @@ class TreeGRPOTrainer(GRPOTrainer):
             stats.get("generated_tokens", 0) / max(1, stats.get("verify_steps", 0))
         )
         return out.completions, None
+
+    def _behaviour_wanted(self) -> bool:
+        """Whether GRPOTrainer will next score the new completions with the policy that drew them (its old
+        logprobs, when generation is out of step with the optimizer), and the sampler's own logprobs are
+        those numbers: drawn from the whole softmax at GRPOTrainer's temperature (no top-k, no top-p), with
+        no tool inserting tokens the policy did not draw."""
+        every = self.args.steps_per_generation * self.num_iterations
+        s = self._sampling
+        return (
+            self.args.gradient_accumulation_steps % every != 0
+            and s["temperature"] == self.temperature
+            and s["top_k"] is None
+            and s["top_p"] is None
+            and not getattr(self, "tools", None)
+        )
 
     def _compute_loss(self, model, inputs):
         chunking = self._chunking

@@ -476,6 +476,49 @@ def test_generation_from_the_tree_cache(sampled, tmp_path, monkeypatch):
         assert any(entry.get("tree/accepted_draft_tokens", 0) > 0 for entry in logs)
 
 
+def test_generation_from_the_tree_cache_gives_its_logprobs_as_the_old_ones(tmp_path, monkeypatch):
+    """With generation out of step with the optimizer (steps_per_generation 2, no accumulation), GRPOTrainer
+    scores the new completions with the policy that drew them (its old logprobs): tree_generation hands it
+    the sampler's own logprobs instead of a forward. The same old logprobs, losses and parameters as that
+    forward's (SGD, 3 steps); with top-k sampling (another distribution than GRPOTrainer's logprobs) the
+    forward runs."""
+    import dta_fast.trl as tree_trl
+
+    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    scored, olds = [], []
+    original_score, original_loss = tree_trl.block_logprobs_and_entropy, TreeGRPOTrainer._compute_loss
+
+    def score(*args, **kwargs):
+        scored.append(torch.is_grad_enabled())
+        return original_score(*args, **kwargs)
+
+    def loss(self, model, inputs):
+        olds.append(inputs.get("old_per_token_logps") * inputs["completion_mask"])
+        return original_loss(self, model, inputs)
+
+    reuse = dict(on=True)
+    wanted = TreeGRPOTrainer._behaviour_wanted
+    monkeypatch.setattr(tree_trl, "block_logprobs_and_entropy", score)
+    monkeypatch.setattr(TreeGRPOTrainer, "_compute_loss", loss)
+    monkeypatch.setattr(TreeGRPOTrainer, "_behaviour_wanted", lambda self: reuse["on"] and wanted(self))
+    options = dict(tree_generation=True, steps_per_generation=2, max_completion_length=8, beta=0.0)
+    runs = {}
+    for name, on, extra in [("reused", True, {}), ("forward", False, {}), ("top-k", True, dict(top_k=5))]:
+        scored.clear(), olds.clear()
+        reuse["on"] = on
+        logs, _, updates = train(TreeGRPOTrainer, TreeGRPOConfig, tmp_path / name, path, **options, **extra)
+        runs[name] = (logs, updates, [x.clone() for x in olds], scored.count(False))
+    # two generations (steps 0 and 2) of 16 rows, scored in micro-batches of 8 without a graph, or not at all
+    assert runs["forward"][3] == 4 and runs["reused"][3] == 0 and runs["top-k"][3] == 4
+    assert len(runs["reused"][2]) == 3 and all(x.abs().sum() > 0 for x in runs["reused"][2])
+    for got, want in zip(runs["reused"][2], runs["forward"][2], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_same_training(runs["forward"][0], runs["forward"][1], runs["reused"][0], runs["reused"][1])
+
+
 def image_prompts():
     """Conversational prompts with one small random image each (8 x 8: 4 placeholders; 16 x 8: 8)."""
     import numpy as np
