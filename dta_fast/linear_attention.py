@@ -26,7 +26,15 @@ __all__ = ["TreeLinearMixing", "levels", "run_segments", "segments"]
 
 @cache
 def _fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
+    """Whether flash-linear-attention's delta rule imports, as transformers tries it (on failure the model's
+    modeling file keeps its PyTorch form, which cannot take variable-length calls)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception:  # a broken install: transformers falls back, and so do we
+        return False
+    return True
 
 
 def run_segments(original, query, key, value, g, beta, segs, entering, use_qk_l2norm_in_kernel, varlen=None):

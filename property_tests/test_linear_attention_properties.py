@@ -162,6 +162,21 @@ def test_a_cached_state_or_packed_offsets_are_refused():
         mixing.delta_rule(modeling.torch_chunk_gated_delta_rule, **inputs, cu_seqlens=torch.tensor([0, 3]))
 
 
+def test_levels_are_batched_only_where_flash_linear_attention_imports(monkeypatch):
+    """A flash-linear-attention whose delta rule fails to import leaves transformers on its PyTorch form,
+    which takes no variable-length calls: then each segment is one call."""
+    import importlib.util
+    import sys
+
+    fast._fla_installed.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else None)
+    monkeypatch.setitem(sys.modules, "fla", None)  # an import of it raises
+    try:
+        assert not fast._fla_installed()
+    finally:
+        fast._fla_installed.cache_clear()
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     rollout_sets(max_sequences=6, max_len=10),
