@@ -19,9 +19,9 @@ from functools import cache
 import torch
 
 from dta_ref.linear_attention import TreeLinearMixing as _Reference
-from dta_ref.linear_attention import _check_one_row, _check_whole_forest, levels, segments
+from dta_ref.linear_attention import _check_one_row, _check_whole_forest, levels, path_ancestors, segments
 
-__all__ = ["TreeLinearMixing", "levels", "run_segments", "segments"]
+__all__ = ["CachedLinearMixing", "TreeLinearMixing", "levels", "run_segments", "segments"]
 
 
 @cache
@@ -106,3 +106,92 @@ class TreeLinearMixing(_Reference):
 
     def keep_states(self, segs, finals) -> None:
         pass
+
+
+class CachedLinearMixing(TreeLinearMixing):
+    """Linear-attention layers for a KV-cached sampler: each batch row is a window of new tokens (a chain,
+    then a draft tree) continuing that row's cached state, the recurrent state and the convolution inputs
+    of its last ``kernel - 1`` tokens. The rows run as one forest; every token a row may continue from
+    (``keep``: the chain's last token, each draft node) ends a segment, so its state is kept, and
+    :meth:`commit` makes a token's state and path the row's cache."""
+
+    def __init__(self, layer_of: dict[int, int]):
+        super().__init__(torch.zeros(0, dtype=torch.long))
+        self.layer_of = layer_of  # id(conv weight) -> layer
+        self.history: dict[int, torch.Tensor] = {}  # layer -> [B, kernel - 1, C], zeros before a row's start
+        self.states: dict[int, torch.Tensor] = {}  # layer -> [B, H, Dk, Dv]
+        self.window: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}  # this step's inputs, states
+
+    def begin(self, parent: torch.Tensor, keep: list[int]) -> None:
+        """A step over rows of ``parent.shape[1]`` tokens: ``parent`` [B, Tq] row-local pointers, -1 at each
+        row's first token (it continues the row's cache); ``keep``, the flat indices (row * Tq + t) whose
+        states may become a row's cache."""
+        B, Tq = parent.shape
+        offset = (torch.arange(B, device=parent.device) * Tq)[:, None]
+        self.rows, self.Tq = B, Tq
+        self.parent = torch.where(parent >= 0, parent + offset, -1).flatten()
+        self.keep, self.window, self._layer = set(keep), {}, None
+        self._segments = None
+
+    def _extended(self, kernel: int) -> torch.Tensor:
+        """Parent pointers of each row's ``kernel - 1`` cached tokens (a chain) then its window, flattened."""
+        B, Tq, H = self.rows, self.Tq, kernel - 1
+        n = H + Tq
+        local = self.parent.view(B, Tq) - (torch.arange(B, device=self.parent.device) * Tq)[:, None]
+        window = torch.where(local >= 0, local + H, H - 1)  # a row's first token continues its cached tokens
+        history = torch.arange(-1, H - 1, device=self.parent.device).expand(B, H)
+        parent = torch.cat([history, window], dim=1) + (torch.arange(B, device=self.parent.device) * n)[:, None]
+        parent[:, 0] = -1
+        return parent.flatten()
+
+    def conv(self, original, x, weight, bias=None, activation=None, **kwargs):
+        """x [B, C, Tq]: each row's tokens after its cached ones, along the paths of its window."""
+        base = weight._base if weight._base is not None else weight
+        self._layer = self.layer_of[id(base)]
+        B, C, Tq = x.shape
+        kernel = weight.shape[-1]
+        history = self.history.get(self._layer)
+        if history is None:
+            history = x.new_zeros(B, kernel - 1, C)
+        inputs = torch.cat([history, x.transpose(1, 2)], dim=1)  # [B, kernel - 1 + Tq, C]
+        self.window[self._layer] = (inputs, {})
+        parent = self._extended(kernel)
+        out = TreeLinearMixing(parent).conv(original, inputs.flatten(0, 1).t()[None], weight, bias, activation)
+        return out[0].t().view(B, kernel - 1 + Tq, C)[:, kernel - 1 :].transpose(1, 2)
+
+    def delta_rule(
+        self, original, query, key, value, g, beta, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+    ):  # fmt: skip
+        _check_whole_forest(initial_state, cu_seqlens)
+        if self._segments is None:
+            self._segments = segments(self.parent, cut_after=self.keep)
+        segs, cached = self._segments, self.states.get(self._layer)
+        entering = [None] * len(segs)
+        if cached is not None:  # a row's first segment continues its cached state
+            for i, (start, _, parent) in enumerate(segs):
+                if parent < 0 and start % self.Tq == 0:
+                    entering[i] = cached[start // self.Tq][None]
+        flat = (t.flatten(0, 1)[None] for t in (query, key, value, g, beta))
+        out, finals = run_segments(original, *flat, segs, entering, use_qk_l2norm_in_kernel)
+        kept = self.window[self._layer][1]
+        for (_, end, _), final in zip(segs, finals, strict=True):
+            if end - 1 in self.keep:
+                kept[end - 1] = final[0]
+        return out[0].view(*value.shape[:2], *out.shape[2:]), None
+
+    def commit(self, ends: list[int]) -> None:
+        """The rows that go on, in order, each continuing from its flat token ``ends[i]``: that token's state
+        and its path's last ``kernel - 1`` convolution inputs become the row's cache (the others are dropped)."""
+        device = self.parent.device
+        window, self.window = self.window, {}
+        if not ends:  # every row finished
+            self.states, self.history = {}, {}
+            return
+        for layer, (inputs, kept) in window.items():
+            H = inputs.shape[1] - self.Tq  # kernel - 1
+            self.states[layer] = torch.stack([kept[t] for t in ends])
+            ancestors = path_ancestors(self._extended(H + 1), H + 1)  # [B * (H + Tq), kernel]
+            at = torch.tensor([(t // self.Tq) * (H + self.Tq) + H + t % self.Tq for t in ends], device=device)
+            taps = ancestors[at][:, :H].flip(-1)  # the H nearest tokens of each path, oldest first
+            self.history[layer] = inputs.flatten(0, 1)[taps]  # [rows, H, C]; each row holds H cached tokens

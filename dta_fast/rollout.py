@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dta_ref.adapter import adapt
+from dta_ref.hf import linear_layers_of, linear_module_of
 from dta_ref.logprobs import logprob_dtype
 from dta_ref.rollout.cache import DraftTree, Walk
 from dta_ref.rollout.sampling import (
@@ -47,6 +48,7 @@ from dta_ref.rollout.sampling import (
 from dta_ref.rollout.speculative import SpeculativeRun, check_speculative_args
 
 from .dispatch import tree_attend, uses_kernel
+from .linear_attention import CachedLinearMixing
 
 ALIGN = 16
 FIRST_NEW_TOKENS = 256  # generated tokens the KV buffers first hold room for; they double past it
@@ -65,6 +67,7 @@ class Verified:
     logprobs: list[list[float]]
     window_start: int  # q0: the step's new tokens sit at [q0, W) of every row
     pending: list[int]  # pending tokens per row, before the draft's
+    queries: int  # Tq: the step's tokens per row, padding included
 
 
 class KVEngine:
@@ -80,6 +83,14 @@ class KVEngine:
         self.values: dict[int, torch.Tensor] = {}
         self.lengths = [0] * len(prompts)  # cached tokens per row
         self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
+        self.linear = self._linear_states()  # linear-attention layers' states per row, or None
+
+    def _linear_states(self) -> CachedLinearMixing | None:
+        core = self.adapter.core if self.adapter.is_hf else None
+        layers = linear_layers_of(core) if core is not None else []
+        if not layers:
+            return None
+        return CachedLinearMixing({id(linear_module_of(core, i).conv1d.weight): i for i in layers})
 
     def _buffer(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if layer not in self.keys:  # first step: shapes and dtype come from the model's own k, v
@@ -130,6 +141,14 @@ class KVEngine:
             ends[b, q0 : q0 + p] = q0 + q_len[b]  # the pending chain is an ancestor of the whole draft
             ends[b, q0 + p : q0 + q_len[b]] = [q0 + p + e for e in draft.subtree_end()]
             rows.extend(b * Tq + t for t in range(p - 1, q_len[b]))
+        if self.linear is not None:  # a row's window: its pending chain, then its draft tree; padding chained
+            parent = np.arange(-1, Tq - 1, dtype=np.int64)[None].repeat(B, 0)
+            keep = []
+            for b, draft in enumerate(drafts):
+                p = P[b]
+                parent[b, p : q_len[b]] = [p - 1 if x < 0 else p + x for x in draft.parents]
+                keep += [b * Tq + t for t in range(p - 1, q_len[b])]
+            self.linear.begin(torch.from_numpy(parent).to(self.device), keep)
         ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
         pos_t = torch.from_numpy(pos).to(self.device, non_blocking=True)
         ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
@@ -143,7 +162,7 @@ class KVEngine:
             V[:, :, q0:W] = v
             return attend_tree(layer, q, K[:, :, :W], V[:, :, :W], scale, **variant)
 
-        hidden = self.adapter.hidden_states(ids_t, pos_t, attend)  # [B, Tq, hidden]
+        hidden = self.adapter.hidden_states(ids_t, pos_t, attend, linear=self.linear)  # [B, Tq, hidden]
         logits = self.head(hidden.flatten(0, 1)[rows_t])  # [draws, V]
         tokens, logp = draw(sampling_probs(logits, params), uniforms)
         both = torch.stack([tokens.to(torch.float64), logp.to(torch.float64)]).cpu()  # one sync per step
@@ -153,16 +172,17 @@ class KVEngine:
             sampled.append(tokens[k : k + len(d) + 1])
             logprobs.append(logp[k : k + len(d) + 1])
             k += len(d) + 1
-        return Verified(sampled, logprobs, q0, P)
+        return Verified(sampled, logprobs, q0, P, Tq)
 
     def commit(self, verified: Verified, walks: list[Walk], keep: list[bool]) -> None:
         """Keep the pending and accepted draft tokens' K/V of ``verified``'s step, drop finished rows."""
         q0, P = verified.window_start, verified.pending
-        b_idx, src, dst = [], [], []
+        b_idx, src, dst, ends = [], [], [], []
         for b, (w, k) in enumerate(zip(walks, keep)):
             if not k:
                 continue
             local = list(range(P[b])) + [P[b] + r - 1 for r in w.rows[1:]]  # pending, then accepted nodes
+            ends.append(b * verified.queries + local[-1])
             n = self.lengths[b]
             b_idx += [b] * len(local)
             src += [q0 + t for t in local]
@@ -182,6 +202,8 @@ class KVEngine:
                 self.values[layer] = self.values[layer].index_select(0, rows_t)
             self.lengths = [self.lengths[b] for b in rows]
             self.pending = [self.pending[b] for b in rows]
+        if self.linear is not None:
+            self.linear.commit(ends)
 
 
 def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens, progress) -> Rollout:

@@ -93,8 +93,8 @@ def linear_module_of(model, index: int):
 
 
 LINEAR_REFUSED = (
-    "linear-attention layers need the recurrent state of each token's path, which the KV-cached samplers do "
-    "not carry: sample hybrids with dta_ref.sample (each context whole)"
+    "linear-attention layers need the recurrent state of each token's path: this forward passed no "
+    "linear-attention mixing (adapter.hidden_states(..., linear=), dta_ref.linear_attention)"
 )
 
 

@@ -220,21 +220,48 @@ def test_samplers_past_the_window(family):
 
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_hybrid_samplers(family):
-    """Hybrids sample with the reference sampler (each context whole, through the model's own linear
-    layers): greedy, transformers' generate's tokens. The KV-cached samplers, which would need each
-    draft token's recurrent state, refuse by name."""
+    """Hybrids in every sampler: each draft node continues its parent's recurrent state and convolution
+    inputs, and a row's cache continues from its last accepted token. Greedy, both samplers and both
+    speculative samplers (their drafts branching off the greedy path at its start, after 3 and after 6
+    tokens) give transformers' generate's tokens; sampled, the speculative twins draw the same tokens
+    from one generator."""
     model = tiny_family_model(family, torch.float64)
-    prompt = GRPO[0][:5]
-    greedy = dta_ref.sample(model, [prompt], 6, temperature=0.0, eos_token_id=None)
-    generated = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert greedy.completions[0] == generated[0, len(prompt) :].tolist()
-    for sampler in (
-        lambda: dta_fast.sample(model, [prompt], 3),
-        lambda: dta_fast.speculative_sample(model, [prompt], 3, cache=dta_ref.RolloutCache()),
-        lambda: dta_ref.speculative_sample(model, [prompt], 3, cache=dta_ref.RolloutCache()),
-    ):
-        with pytest.raises(ValueError, match="linear-attention layers need the recurrent state"):
-            sampler()
+    prompts = [GRPO[0][:5], GRPO[3][:9]]  # rows of different lengths: the shorter one's window is padded
+    want = [
+        model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    for sampler in (dta_ref.sample, dta_fast.sample):
+        assert sampler(model, prompts, 12, temperature=0.0).completions == want, sampler.__module__
+    for sampler in (dta_ref.speculative_sample, dta_fast.speculative_sample):
+        cache = dta_ref.RolloutCache()
+        for prompt, greedy in zip(prompts, want, strict=True):
+            for at in (0, 3, 6):  # a draft tree that leaves the greedy path at these depths
+                cache.add(prompt, greedy[:at] + [(greedy[at] + 1) % TINY_VOCAB] * 4)
+        out = sampler(model, prompts, 12, cache=cache, temperature=0.0)
+        assert out.completions == want, sampler.__module__
+        assert 0 < out.stats["accepted_tokens"] < out.stats["drafted_tokens"], out.stats
+    caches = dta_ref.RolloutCache(), dta_ref.RolloutCache()
+    for seed in range(3):
+        ref, fast = (
+            sampler(model, prompts * 2, 8, cache=c, generator=torch.Generator().manual_seed(seed))
+            for sampler, c in zip((dta_ref.speculative_sample, dta_fast.speculative_sample), caches, strict=True)
+        )
+        assert ref.completions == fast.completions
+        for x, y in zip(ref.logprobs, fast.logprobs, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hybrid_forward_without_linear_mixing_is_refused():
+    """The adapter's seam: a forward over a hybrid that brings attention but no linear-attention mixing is
+    refused by name at the first Gated DeltaNet layer, not run as if each row were one sequence."""
+    from dta_ref.attention import masked_attend
+
+    model = tiny_family_model("qwen3.5", torch.float64)
+    tree = PrefixTree.from_sequences(GRPO)
+    attend = masked_attend(tree.subtree_end, torch.arange(tree.num_tokens), tree.position_ids)
+    with pytest.raises(ValueError, match="passed no linear-attention mixing"):
+        dta_ref.adapt(model).hidden_states(tree.tokens[None], tree.position_ids[None], attend)
 
 
 @pytest.mark.gpu

@@ -436,13 +436,21 @@ def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
     assert_same_training(base_logs, base_updates, chunked_logs, chunked_updates)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_generation_from_the_tree_cache(sampled, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "family,sampled", [("qwen2", False), ("qwen2", True), ("qwen3.5", False)], ids=["greedy", "sampled", "hybrid"]
+)
+def test_generation_from_the_tree_cache(family, sampled, tmp_path, monkeypatch):
     """tree_generation: completions drawn by dta_fast.speculative_sample, earlier completions of each prompt
-    drafting for it. Greedy, they are transformers' generate's, step by step; sampled, the run trains and
-    its cache fills and drafts. (That the draws follow the plain sampling distribution is
-    tests/test_rollout.py's test_distribution_is_exact.)"""
-    model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+    drafting for it. Greedy, they are transformers' generate's, step by step (a hybrid's too: its draft
+    tokens fork recurrent states); sampled, the run trains and its cache fills and drafts. (That the draws
+    follow the plain sampling distribution is tests/test_rollout.py's test_distribution_is_exact.)"""
+    from tests.helpers import tiny_family_model
+
+    model = (
+        tiny_hf_model("qwen2", torch.float32, "sdpa", seed=3)
+        if family == "qwen2"
+        else tiny_family_model(family, torch.float32, "sdpa", seed=3)
+    )
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     model.save_pretrained(tmp_path / "model")
     path = str(tmp_path / "model")

@@ -22,6 +22,7 @@ import torch
 
 from ..adapter import adapt
 from ..attention import masked_attend
+from ..linear_attention import TreeLinearMixing
 from ..logprobs import logprob_dtype
 from .cache import DraftBudget, Drafter, DraftTree, RolloutCache, Walk, walk
 from .sampling import (
@@ -130,6 +131,13 @@ class SpeculativeRun:
         )
 
 
+def context_and_draft_parents(context_len: int, draft: DraftTree) -> torch.Tensor:
+    """Parent pointers of a context (a chain) followed by its draft tree: what linear-attention layers
+    read, each draft node continuing its parent's state (a root the context's last token's)."""
+    chain = list(range(-1, context_len - 1))
+    return torch.tensor(chain + [context_len - 1 if p < 0 else context_len + p for p in draft.parents])
+
+
 def tree_inputs(context_len: int, draft: DraftTree):
     """Positions and subtree ends of the draft nodes appended after a context of ``context_len`` tokens."""
     positions = [context_len + d for d in draft.depths()]
@@ -179,7 +187,8 @@ def speculative_sample(
                 pos = torch.tensor(list(range(len(context))) + positions, device=device)
                 end = torch.tensor([T] * len(context) + ends, device=device)
                 attend = masked_attend(end, torch.arange(T, device=device), pos)
-                hidden = adapter.hidden_states(ids, pos[None], attend)[0, len(context) - 1 :]  # draws 0..len(draft)
+                linear = TreeLinearMixing(context_and_draft_parents(len(context), draft).to(device))
+                hidden = adapter.hidden_states(ids, pos[None], attend, linear=linear)[0, len(context) - 1 :]
                 probs = sampling_probs(head(hidden), params)
                 n = len(draft) + 1
                 tokens, logp = draw(probs, None if uniforms is None else uniforms[offset : offset + n])
