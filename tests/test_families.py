@@ -307,6 +307,24 @@ def test_hybrid_on_cuda(monkeypatch):
             assert_same(logprobs, grads(model), want_lp, want_grads, 5e-3, f"CUDA, {name}, chunks of {chunk}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_hybrid_samplers_on_cuda(family):
+    """The KV-cached samplers on CUDA (the tree kernel, states kept on the device): greedy, the plain and
+    the speculative sampler (drafts branching off the greedy path) give the reference sampler's tokens."""
+    model = tiny_family_model(family, torch.float32).cuda()
+    prompts = [GRPO[0][:5], GRPO[3][:9]]
+    want = dta_ref.sample(model, prompts, 12, temperature=0.0).completions
+    assert dta_fast.sample(model, prompts, 12, temperature=0.0).completions == want
+    cache = dta_ref.RolloutCache()
+    for prompt, greedy in zip(prompts, want, strict=True):
+        for at in (0, 3, 6):
+            cache.add(prompt, greedy[:at] + [(greedy[at] + 1) % TINY_VOCAB] * 4)
+    out = dta_fast.speculative_sample(model, prompts, 12, cache=cache, temperature=0.0)
+    assert out.completions == want and 0 < out.stats["accepted_tokens"] < out.stats["drafted_tokens"]
+
+
 def test_an_attention_keyword_the_tree_does_not_compute_is_refused():
     """A layer that passes its attention function a keyword the tree does not compute (a chunked-attention
     size, a non-causal call) is refused by name, never run as if it were plain attention."""
