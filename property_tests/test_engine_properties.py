@@ -131,3 +131,19 @@ def test_budget_search_finds_the_largest_fitting_size(sequences, recompute, seed
     else:
         chosen = dta_fast.chunk_tokens_for_budget(model, tree, budget, recompute)
         assert chosen in fitting and (chosen == tree.num_tokens or chosen + 1 not in fitting)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sequences=rollout_sets(max_sequences=8, max_len=14), size=st.integers(1, 30), recompute=st.booleans())
+def test_exported_states_are_those_the_chunks_hand_on(sequences, size, recompute):
+    """plan.exported_held, which the memory estimate charges a hybrid's recurrent states by: per chunk, the
+    tokens of the open chunks (itself and those under it) with a child in a later chunk, as the engine's
+    links find them, counted by brute force over the open chunks."""
+    from dta_fast.chunked.linear import ChunkLinks
+
+    tree = PrefixTree.from_sequences(sequences)
+    plan = plan_chunks(tree, size, recompute)
+    links = ChunkLinks(tree.parent.numpy(), plan.start, plan.stop)
+    for c in range(plan.num_chunks):
+        open_chunks = [u for u in range(c) if plan.max_end[u] > plan.start[c]] + [c]
+        assert plan.exported_held[c] == sum(len(links.exports[u]) for u in open_chunks), c

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -414,6 +415,16 @@ def test_memory_model_of_moe_and_hybrids():
     attention_kv = shape.kv_heads * (shape.head_dim + shape.value_dim)
     assert memory.kv == (attention_kv + conv) * shape.bytes_per_element  # one attention, one linear layer
     assert memory.linear_backward == 2 * mixer and MemoryModel.of(dense).linear_backward == 0
+    # each token a later chunk continues from keeps its float32 state [value heads, key dim, value dim] and
+    # its gradient; a plan whose chunks hand states on costs at most that many more bytes than without
+    mixer_module = hybrid.model.layers[0].linear_attn
+    state = mixer_module.num_v_heads * mixer_module.head_k_dim * mixer_module.head_v_dim * 4
+    assert memory.linear_state == 2 * state and MemoryModel.of(dense).linear_state == 0
+    tree = PrefixTree.from_sequences(dta_ref.grpo_batch(2, 12, 3, 8, vocab_size=60, seed=0))
+    plan = plan_chunks(tree, 10)
+    stateless = dataclasses.replace(memory, linear_state=0)
+    extra = memory.step_bytes(plan) - stateless.step_bytes(plan)
+    assert plan.exported_held.max() > 0 and 0 < extra <= memory.linear_state * plan.exported_held.max()
 
 
 def test_estimate_counts_gradients_from_the_first_backward():

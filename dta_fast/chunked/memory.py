@@ -39,6 +39,7 @@ class MemoryModel:
     layer_kv: int = 0  # one layer's K/V per token: its copies for attention live as long
     model_checkpoints: bool = False  # the model checkpoints every layer itself (plans can only be so)
     linear_backward: int = 0  # per chunk token: a linear-attention mixer's backward temporaries (twice what it saves)
+    linear_state: int = 0  # per exported token (a later chunk continues from it): its recurrent states and gradients
 
     @classmethod
     def of(cls, model, head=None) -> MemoryModel:
@@ -78,6 +79,7 @@ class MemoryModel:
             layer_kv=kv * size // max(shape.layers - linear, 1),
             model_checkpoints=own == shape.layers,
             linear_backward=2 * mixer,
+            linear_state=2 * linear * linear_state_bytes(adapter.core) if linear else 0,
         )
 
     def head(self, logits_rows: int | None = None) -> int:
@@ -122,6 +124,9 @@ class MemoryModel:
         # chunk under it, when it has a prefix) or found, and the embedding's gradients
         graded = np.where(P > 0, np.maximum(plan.graded, plan.held - L), plan.graded)
         ending = self.kv * plan.held + self.kv_grad * graded + self.closing
+        if self.linear_state:  # the open chunks' exported recurrent states, with their gradients
+            states = self.linear_state * plan.exported_held
+            alive, ending = alive + states, ending + states
         return int(max(alive.max(), ending.max()))
 
     def floor_bytes(
@@ -221,6 +226,12 @@ def linear_mixer_bytes(model) -> tuple[int, int]:
         probe(x.requires_grad_())
     _MIXERS[module] = (sum(saved.values()) // PROBE_TOKENS, weight.shape[0])
     return _MIXERS[module]
+
+
+def linear_state_bytes(model) -> int:
+    """One token's recurrent state in one linear-attention layer: [value heads, key dim, value dim], float32."""
+    module = linear_module_of(model, linear_layers_of(model)[0])
+    return module.num_v_heads * module.head_k_dim * module.head_v_dim * 4
 
 
 def _trunk_bytes_per_token(shape) -> int:

@@ -7,7 +7,7 @@ Built once per step from the forest's arrays (:class:`Forest`) with array operat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -108,6 +108,25 @@ class ChunkPlan:
     pieces: PrefixPieces | None  # every chunk's cached prefix (None: planned without, for the estimate alone)
     logits_rows: int | None = None  # rows of the vocabulary head's logits window (None: the default)
     checkpoint_layers: bool = False  # every layer runs under activation checkpointing (ours or the model's)
+    forest: Forest | None = field(default=None, repr=False, compare=False)  # what it chunks
+
+    @cached_property
+    def exported_held(self) -> np.ndarray:
+        """[C] exported tokens of the open chunks, its own included, taken when the chunk closes: tokens with a
+        child in a later chunk, whose recurrent state a linear-attention layer keeps for that chunk."""
+        parent, C = self.forest.parent, self.num_chunks
+        chunk_of = np.searchsorted(self.stop, np.arange(parent.size), side="right")
+        crossing = (parent >= 0) & (chunk_of[np.maximum(parent, 0)] != chunk_of)
+        exported = np.zeros(parent.size, dtype=bool)
+        exported[parent[crossing]] = True
+        own = np.bincount(chunk_of[exported], minlength=C)
+        held, stack = np.zeros(C, dtype=np.int64), []  # (chunk, its running total) of the open chunks
+        for c in range(C):
+            while stack and self.max_end[stack[-1][0]] <= self.start[c]:
+                stack.pop()
+            held[c] = own[c] + (stack[-1][1] if stack else 0)
+            stack.append((c, int(held[c])))
+        return held
 
     @property
     def num_chunks(self) -> int:
@@ -160,6 +179,7 @@ def plan_chunks(
         pieces=None,
         logits_rows=logits_rows,
         checkpoint_layers=checkpoint_layers,
+        forest=forest,
     )
     return with_prefix_pieces(forest, plan) if with_prefix else plan
 
