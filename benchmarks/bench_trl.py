@@ -1,6 +1,7 @@
 """TRL GRPO training steps: GRPOTrainer against TreeGRPOTrainer on the tensors TRL passes.
 
     python benchmarks/bench_trl.py [--groups P1K-G8-R1K P2K-G8-R1K P2K-G16-R1K] [--repeats 3] [--out DIR]
+    python benchmarks/bench_trl.py --full-step [--steps 12] [--train-seconds 150] [--prompts 2] [--group 8]
 
 One micro-batch per prompt: the G completions of a shapes.ROLLOUTS GRPO set (up to R tokens, lengths
 spread over [R/2, R], right-padded) after its prompt of P tokens, laid out as GRPOTrainer lays it out
@@ -13,6 +14,16 @@ agreeing within bf16 rounding (loss 2e-2, gradients 5e-2 relative); a red gate l
 untimed. Timed with CUDA events (median of ``--repeats`` after the gate's step), peak memory per
 step; the per-call cost of building the tree from the padded batch is timed on its own. Writes
 results/trl_grpo_<GPU>.json and prints the table last.
+
+``--full-step``: whole steps of ``trainer.train()`` (generation, rewards, scoring, training) on
+bench_rollout.py's templated task, whose policy (``llama-24m``, pretrained for ``--train-seconds``)
+converges, so completions repeat: GRPOTrainer (transformers' generate) against TreeGRPOTrainer with
+``tree_generation`` (the tree cache drafts). The reward is the share of the template a completion
+follows. Gate, before timing: the first steps of GRPOTrainer and of TreeGRPOTrainer generating the
+same way (generate, the same seeds) log the same losses and entropies. The cached sampler draws other samples from
+the same distribution, so the timed runs compare reward curves, not losses. Seconds per step are
+medians over the steps after ``--warmup`` (the cache warm); peak memory over the run. Writes
+results/trl_full_step_<GPU>.json and prints the table last.
 """
 
 from __future__ import annotations
@@ -20,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import tempfile
 import time
 
+import bench_rollout as task
 import harness
 import shapes
 import torch
@@ -30,6 +43,7 @@ import torch
 GROUPS = {"P1K-G8-R1K": "grpo_p1k_n8_r1k", "P2K-G8-R1K": "grpo_p2k_n8_r1k", "P2K-G16-R1K": "grpo_p2k_n16_r1k"}
 MODEL = "qwen2-0.5b"
 LOSS_TOLERANCE, GRAD_TOLERANCE = 2e-2, 5e-2
+ANSWER_TOKENS = len(task.make_answer(task.make_prompt(random.Random(0)), random.Random(0)))  # EOS included
 
 
 def tokenizer():
@@ -175,16 +189,174 @@ def tree_build_ms(inputs, repeats=5):
     return best * 1e3
 
 
+# ------------------------------------------------------------------ --full-step
+
+
+def vocab_tokenizer(size: int):
+    """A word-level tokenizer of ``size`` tokens "t0".."t{size-1}" (t0 pads, bench_rollout's EOS ends)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = f"t{task.EOS}"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token=eos, unk_token="t0")
+
+
+def template_share(prompt: list[int], completion: list[int]) -> float:
+    """The share of bench_rollout's answer template (any choices) that ``completion`` follows from its start."""
+    keys, pos = prompt[1:9], 0
+    for j in range(task.BLOCKS):
+        head = [100 + j] + keys + task.PHRASES[j % 4]
+        choice = completion[pos + len(head)] if pos + len(head) < len(completion) else None
+        block = head + ([choice] + task.FILLERS[choice] + keys[::-1] if choice in task.CHOICES else [None])
+        for token in block:
+            if pos >= len(completion) or completion[pos] != token:
+                return pos / ANSWER_TOKENS
+            pos += 1
+    return (pos + (completion[pos:] == [task.EOS])) / ANSWER_TOKENS
+
+
+class StepClock:
+    """A trainer callback: the wall seconds of each optimizer step (generation included), synced."""
+
+    def __init__(self):
+        self.seconds, self._start = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        harness.sync()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        harness.sync()
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def __getattr__(self, name):  # the other TrainerCallback events: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
+def full_step_run(trainer_cls, config_cls, model_dir, prompts, args, out_dir, **options):
+    """One ``trainer.train()`` of ``args.steps`` steps: (seconds per step, peak GiB, log history)."""
+    import datasets
+
+    device_kw = {} if torch.cuda.is_available() else dict(use_cpu=True)
+    config = config_cls(
+        output_dir=out_dir, per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+        max_completion_length=args.max_completion, max_steps=args.steps, learning_rate=args.lr, beta=0.0,
+        temperature=1.0, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+        bf16=torch.cuda.is_available(), dataloader_num_workers=0, **device_kw, **options,
+    )  # fmt: skip
+    rows = [{"prompt": " ".join(f"t{t}" for t in p), "prompt_tokens": p} for p in prompts]
+
+    def reward(completion_ids, prompt_tokens, **kwargs):
+        return [template_share(p, c) for p, c in zip(prompt_tokens, completion_ids, strict=True)]
+
+    clock = StepClock()
+    torch.manual_seed(0)
+    trainer = trainer_cls(
+        model=model_dir, reward_funcs=reward, args=config, train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=vocab_tokenizer(task.VOCAB), callbacks=[clock],
+    )  # fmt: skip
+    harness.empty_cache()
+    harness.reset_peak()
+    trainer.train()
+    return clock.seconds, harness.peak_allocated_gib(), [e for e in trainer.state.log_history if "loss" in e]
+
+
+def full_step(args) -> dict:
+    """The --full-step row: the gate, then both trainers' timed runs."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dta_fast.trl import TreeGRPOConfig, TreeGRPOTrainer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = task.build_model(device)
+    pretraining = task.train(model, args.train_seconds, 16, device, print)
+    rng = random.Random(7)
+    prompts = [task.make_prompt(rng) for _ in range(args.prompts * args.steps)]
+    row = dict(model=task.MODEL, pretraining=pretraining, prompts_per_step=args.prompts, group=args.group,
+               max_completion=args.max_completion, steps=args.steps, warmup=args.warmup, runs={})  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(f"{tmp}/policy")
+        del model
+        gate_args = argparse.Namespace(**{**vars(args), "steps": args.gate_steps})
+        _, _, base = full_step_run(GRPOTrainer, GRPOConfig, f"{tmp}/policy", prompts, gate_args, f"{tmp}/g0")
+        _, _, tree = full_step_run(TreeGRPOTrainer, TreeGRPOConfig, f"{tmp}/policy", prompts, gate_args, f"{tmp}/g1")
+        # the loss, and the entropy (the scoring's, nonzero whatever the rewards), step by step
+        errors = {
+            key: max(abs(t[key] - b[key]) / max(abs(b[key]), 1e-3) for b, t in zip(base, tree, strict=True))
+            for key in ("loss", "entropy")
+        }
+        row["gate"] = dict(rel_diff=errors, ok=len(base) == len(tree) > 0 and max(errors.values()) <= LOSS_TOLERANCE)
+        print(f"gate: {errors}", flush=True)
+        if not row["gate"]["ok"]:
+            return row
+        runs = {
+            "GRPOTrainer": (GRPOTrainer, GRPOConfig, {}),
+            "TreeGRPOTrainer": (TreeGRPOTrainer, TreeGRPOConfig, dict(tree_generation=True)),
+        }
+        for name, (trainer_cls, config_cls, options) in runs.items():
+            seconds, peak, logs = full_step_run(
+                trainer_cls, config_cls, f"{tmp}/policy", prompts, args, f"{tmp}/{name}", **options
+            )  # fmt: skip
+            row["runs"][name] = dict(
+                step_seconds=seconds,
+                seconds=harness.median(seconds[args.warmup :] or seconds),
+                peak_gib=peak,
+                reward=[e.get("reward") for e in logs],
+                accepted_draft_tokens=[e.get("tree/accepted_draft_tokens") for e in logs],
+            )
+            print(f"{name}: {row['runs'][name]['seconds']:.3f} s/step, {peak:.2f} GiB", flush=True)
+    base, tree = row["runs"]["GRPOTrainer"], row["runs"]["TreeGRPOTrainer"]
+    row["speedup"] = base["seconds"] / tree["seconds"]
+    return row
+
+
+def print_full_step(row) -> None:
+    runs = row["runs"]
+    table = [
+        [
+            name,
+            f"{r['seconds']:.3f}",
+            f"{r['peak_gib']:.2f}",
+            " ".join(f"{x:.2f}" for x in r["reward"] if x is not None),
+        ]
+        for name, r in runs.items()
+    ]
+    harness.print_table(
+        ["trainer", "s/step", "peak GiB", "reward per step"],
+        table,
+        title=f"{harness.device_name()}; trainer.train() steps after {row['warmup']}; speedup "
+        f"{harness.cell(row.get('speedup'))}; gate {'ok' if row['gate']['ok'] else 'FAIL'}",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--full-step", action="store_true", help="whole trainer.train() steps on a converging task")
+    p.add_argument("--steps", type=int, default=12, help="--full-step: optimizer steps per trainer")
+    p.add_argument("--warmup", type=int, default=4, help="--full-step: steps left out of the median")
+    p.add_argument("--gate-steps", type=int, default=2, help="--full-step: steps of the gate's runs")
+    p.add_argument("--train-seconds", type=float, default=150, help="--full-step: the policy's pretraining")
+    p.add_argument("--prompts", type=int, default=2, help="--full-step: prompts per step")
+    p.add_argument("--group", type=int, default=8, help="--full-step: completions per prompt")
+    p.add_argument("--max-completion", type=int, default=1200, help="--full-step: max_completion_length")
+    p.add_argument("--lr", type=float, default=1e-6, help="--full-step: learning rate")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
     return p
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.full_step:
+        row = full_step(args)
+        harness.write_results("trl_full_step", [row], args.out)
+        print_full_step(row) if row["runs"] else print(f"gate FAILED: {row['gate']}")
+        return
     from trl import GRPOConfig, GRPOTrainer
 
     from dta_fast.trl import TreeGRPOConfig, TreeGRPOTrainer

@@ -45,6 +45,7 @@ SCRIPTS = [
     "bench_power",
     "bench_schedule",
     "compare_attention",
+    "bf16_drift",
     "memory_snapshot",
     "profile_step",
 ]
@@ -398,6 +399,48 @@ def test_trl_benchmark_batch_and_gate(tiny_model):
     mask = inputs["completion_mask"].bool()
     assert bench_trl.trl_gate("same", base, (0.0, 1.0 + 1e-3, torch.zeros(4, 8), grads * 1.01), mask)[0].ok
     assert not bench_trl.trl_gate("wrong", base, (0.0, 1.0, torch.zeros(4, 8), -grads), mask)[0].ok
+
+
+def test_trl_full_step_gates_then_times_both_trainers(tmp_path, monkeypatch):
+    """bench_trl.py --full-step on a tiny policy: the gate (GRPOTrainer and TreeGRPOTrainer generating
+    alike log the same losses and entropies) passes, both trainers' trainer.train() steps are timed with
+    their rewards; a tree path that scored other entropies fails the gate and times nothing."""
+    pytest.importorskip("trl")
+    import bench_rollout
+    import bench_trl
+
+    import dta_fast.trl as tree_trl
+
+    tiny = shapes.ModelShape("llama", 32, 64, 1, 2, 1, 16, bench_rollout.VOCAB, tie_word_embeddings=False)
+    build = bench_rollout.build_model
+    monkeypatch.setattr(bench_rollout, "build_model", lambda device: build(device, shape=tiny))
+    args = bench_trl.parser().parse_args(
+        ["--full-step", "--steps", "2", "--warmup", "1", "--gate-steps", "1", "--train-seconds", "0",
+         "--prompts", "2", "--group", "2", "--max-completion", "8", "--out", str(tmp_path)]
+    )  # fmt: skip
+    row = bench_trl.full_step(args)
+    assert row["gate"]["ok"] and set(row["runs"]) == {"GRPOTrainer", "TreeGRPOTrainer"}
+    assert all(len(r["step_seconds"]) == 2 and len(r["reward"]) == 2 for r in row["runs"].values())
+    assert row["speedup"] > 0
+    bench_trl.print_full_step(row)
+    right = tree_trl.block_logprobs_and_entropy
+    monkeypatch.setattr(
+        tree_trl, "block_logprobs_and_entropy", lambda *a, **k: (lambda r: (r[0], 1.5 * r[1], *r[2:]))(right(*a, **k))
+    )
+    row = bench_trl.full_step(args)
+    assert not row["gate"]["ok"] and not row["runs"]
+
+
+def test_template_share_counts_the_followed_template():
+    import bench_rollout
+    import bench_trl
+
+    rng = random.Random(3)
+    prompt = bench_rollout.make_prompt(rng)
+    answer = bench_rollout.make_answer(prompt, rng)
+    assert bench_trl.template_share(prompt, answer) == 1.0 and bench_trl.template_share(prompt, []) == 0.0
+    assert bench_trl.template_share(prompt, answer[:600]) == 600 / len(answer)
+    assert bench_trl.template_share(prompt, answer[:10] + [0] + answer[11:]) == 10 / len(answer)
 
 
 # ---------------------------------------------------------------- the maintainers' scripts (benchmarks/dev)

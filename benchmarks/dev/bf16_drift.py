@@ -76,10 +76,15 @@ def run(model_shape: shapes.ModelShape, sequences) -> dict:
     }
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8, help="a multiple of 4 (three linear layers to one attention)")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.layers < 4 or args.layers % 4:
         p.error("--layers must be a positive multiple of 4")
