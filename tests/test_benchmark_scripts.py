@@ -39,6 +39,7 @@ SCRIPTS = [
     "bench_distributed",
     "bench_rollout",
     "bench_trl",
+    "bench_verl",
     "bench_partition",
     "attention_timeline",
     "bench_cuda_graphs",

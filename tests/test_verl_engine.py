@@ -493,3 +493,34 @@ def test_videos_are_refused():
     with pytest.raises(ValueError, match=r"take images .pixel_values, image_grid_thw., not \['pixel_values_videos'"):
         tree_engines._images_per_row({"multi_modal_inputs": rows})
     assert tree_engines._images_per_row({"multi_modal_inputs": [None, {}]}) is None  # text rows only
+
+
+def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
+    """benchmarks/bench_verl.py on a tiny Qwen2 in float32: verl's engine and the tree engine in verl's
+    worker make the same update (the gate), then are timed; an update that differs fails the gate and
+    gives no speed figure."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_verl
+
+    args = bench_verl.parser().parse_args(
+        ["--prompts", "2", "--group", "4", "--prompt-len", "6", "--response", "6", "--repeats", "1",
+         "--param-dtype", "fp32"]
+    )  # fmt: skip
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)  # fmt: skip
+    row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "a"), **tiny)
+    assert row["gate_ok"] and row["update_rel_diff"] < 1e-4 and row["speedup"] > 0
+    assert row["unique_tokens"] < row["tokens"] and len(row["engines"]["tree"]["step_seconds"]) == 1
+    bench_verl.print_table([row])
+    right = bench_verl.parameters
+
+    def off(w):  # the tree engine's parameters read 10% off
+        p = right(w)
+        return p * 1.1 if type(w.engine).__name__.startswith("Tree") else p
+
+    monkeypatch.setattr(bench_verl, "parameters", off)
+    row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "b"), **tiny)
+    assert not row["gate_ok"] and "speedup" not in row and "seconds" not in row["engines"]["tree"]

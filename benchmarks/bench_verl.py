@@ -1,0 +1,217 @@
+"""verl's policy update: verl's FSDP2 engine against the tree engine, inside verl's own TrainingWorker.
+
+    python benchmarks/bench_verl.py [--models qwen2-0.5b qwen3-1.7b] [--prompts 4] [--group 8]
+                                    [--prompt-len 1024] [--response 1024] [--repeats 3] [--out DIR]
+
+Runs in verl's pinned environment (``pip install -e ".[verl]"``) on one GPU, one rank. A mini-batch as
+verl's trainer hands it to ``update_policy``: ``--prompts`` prompts of ``--prompt-len`` tokens, ``--group``
+responses each of R/2 to R tokens, left-padded prompts and right-padded responses in verl's no-padding
+layout, random advantages and old log-probabilities; verl's PPO loss (token-mean), SGD, bf16 compute
+with float32 weights, remove_padding on, micro-batches of one group. A step is
+``TrainingWorker.train_mini_batch`` (every micro-batch's forward, loss and backward, then the optimizer
+step). Gate before timing: one step of each engine from the same weights moves every parameter the
+same way (relative 5e-2 of the update, bf16). Median of ``--repeats`` steps after it, peak memory.
+Models are shapes.MODELS with random weights, saved with a tokenizer built in code. Writes
+results/verl_update_<GPU>.json and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+
+import harness
+import shapes
+import torch
+
+GATE_TOLERANCE = 5e-2
+
+
+def checkpoint(model: str, directory: str, **overrides) -> str:
+    """shapes.MODELS[model] with random weights (float32) and a word-level tokenizer, saved for verl."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    net = shapes.MODELS[model].build("cpu", dtype=torch.float32, **overrides)
+    vocab = net.config.vocab_size
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+    net.config.pad_token_id, net.config.eos_token_id = 0, 1
+    net.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def mini_batch(prompts: int, group: int, prompt_len: int, response: int, vocab: int, seed: int = 0):
+    """The mini-batch verl's trainer hands ``update_policy``, in verl's no-padding layout with its flags;
+    also its tokens and its unique tokens (each prompt once)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    n = prompts * group
+    prompt_ids = torch.randint(2, vocab, (prompts, prompt_len), generator=g).repeat_interleave(group, 0)
+    lengths = torch.randint(response // 2, response + 1, (n,), generator=g)
+    response_mask = (torch.arange(response) < lengths[:, None]).long()
+    ids = torch.cat([prompt_ids, torch.randint(2, vocab, (n, response), generator=g) * response_mask], 1)
+    mask = torch.cat([torch.ones(n, prompt_len, dtype=torch.long), response_mask], 1)
+    batch = {
+        "input_ids": ids, "attention_mask": mask, "position_ids": torch.clip(mask.cumsum(-1) - 1, min=0),
+        "prompts": ids[:, :prompt_len], "responses": ids[:, prompt_len:], "response_mask": response_mask,
+        "old_log_probs": (-4.0 + 0.3 * torch.randn(response_mask.shape, generator=g)) * response_mask,
+        "advantages": torch.randn(n, 1, generator=g).expand_as(response_mask) * response_mask,
+    }  # fmt: skip
+    td = left_right_2_no_padding(tu.get_tensordict(batch))
+    flags = dict(calculate_entropy=False, global_batch_size=n, mini_batch_size=n, epochs=1, seed=1,
+                 dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0)  # fmt: skip
+    tu.assign_non_tensor(td, global_token_num=mask.sum(-1).tolist(), **flags)
+    return td, int(mask.sum()), prompts * prompt_len + int(lengths.sum())
+
+
+@contextlib.contextmanager
+def as_fsdp2_engine(engine):
+    """``engine`` registered as verl's FSDP2 language-model engine while a worker is built."""
+    from verl.workers.engine.base import EngineRegistry
+
+    by_device = EngineRegistry._engines["language_model"]["fsdp2"]
+    device = "cuda" if "cuda" in by_device else next(iter(by_device))
+    before = by_device[device]
+    by_device[device] = engine
+    try:
+        yield
+    finally:
+        by_device[device] = before
+
+
+def worker(path: str, tree: bool, group: int, prompts: int, param_dtype: str = "bf16"):
+    """verl's TrainingWorker on ``path`` with verl's FSDP2 engine or the tree engine: PPO's loss, SGD."""
+    from functools import partial
+
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    import dta_fast.verl.engine as tree_engines
+
+    model = HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=True)
+    engine = FSDPEngineConfig(
+        strategy="fsdp2", model_dtype="fp32", mixed_precision={"param_dtype": param_dtype}, use_torch_compile=False,
+        use_dynamic_bsz=False, micro_batch_size_per_gpu=group, infer_micro_batch_size_per_gpu=group,
+    )  # fmt: skip
+    optimizer = FSDPOptimizerConfig(lr=1e-3, optimizer="SGD", weight_decay=0.0, clip_grad=1e9)
+    chosen = tree_engines.TreeFSDPEngineWithLMHead if tree else FSDPEngineWithLMHead
+    config = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
+                                  optimizer_config=optimizer, checkpoint_config=CheckpointConfig())  # fmt: skip
+    with as_fsdp2_engine(chosen):
+        out = TrainingWorker(config)
+    if type(out.engine) is not chosen:
+        raise RuntimeError(f"verl built {type(out.engine).__name__}, not {chosen.__name__}")
+    out.reset()
+    actor = FSDPActorConfig(
+        strategy="fsdp2", rollout_n=group, ppo_mini_batch_size=prompts, ppo_micro_batch_size_per_gpu=group,
+        use_torch_compile=False, loss_agg_mode="token-mean",
+    )  # fmt: skip
+    out.set_loss_fn(partial(ppo_loss, config=actor))
+    return out
+
+
+def parameters(w) -> torch.Tensor:
+    return torch.cat([p.full_tensor().detach().float().flatten().cpu() for p in w.engine.module.parameters()])
+
+
+def timed(w, td) -> tuple[float, float]:
+    """Wall seconds and peak GiB of one ``train_mini_batch``."""
+    harness.reset_peak()
+    seconds, _ = harness.wall_seconds(lambda: w.train_mini_batch(td.clone()))
+    return seconds, harness.peak_allocated_gib()
+
+
+def run(model: str, args, directory: str, **overrides) -> dict:
+    """One model's row: the gate's step of each engine, then the timed steps."""
+    path = checkpoint(model, os.path.join(directory, model), **overrides)
+    vocab = overrides.get("vocab_size", shapes.MODELS[model].vocab_size)
+    td, tokens, unique = mini_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
+    row = dict(model=model, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
+               response=args.response, tokens=tokens, unique_tokens=unique, engines={})  # fmt: skip
+    updates = {}
+    for name, tree in (("verl", False), ("tree", True)):
+        w = worker(path, tree, args.group, args.prompts, args.param_dtype)
+        before = parameters(w)
+        seconds, peak = timed(w, td)  # the gate's step, also the warm-up
+        updates[name] = parameters(w) - before
+        times = [timed(w, td) for _ in range(args.repeats)]
+        row["engines"][name] = dict(
+            warmup_seconds=seconds,
+            step_seconds=[t for t, _ in times],
+            seconds=harness.median([t for t, _ in times] or [seconds]),
+            peak_gib=max([peak] + [p for _, p in times]),
+        )
+        del w
+        harness.empty_cache()
+    base = updates["verl"]
+    row["update_rel_diff"] = float((updates["tree"] - base).norm() / base.norm().clamp_min(1e-30))
+    row["gate_ok"] = bool(base.norm() > 0 and row["update_rel_diff"] <= GATE_TOLERANCE)
+    if row["gate_ok"]:
+        row["speedup"] = row["engines"]["verl"]["seconds"] / row["engines"]["tree"]["seconds"]
+    else:  # a red gate: no speed figure
+        for entry in row["engines"].values():
+            entry.pop("seconds")
+    print(f"{model}: {row}", flush=True)
+    return row
+
+
+def print_table(rows) -> None:
+    table = []
+    for r in rows:
+        v, t = r["engines"]["verl"], r["engines"]["tree"]
+        table.append([
+            r["model"], harness.cell(v.get("seconds"), ".3f"), f"{v['peak_gib']:.1f}",
+            harness.cell(t.get("seconds"), ".3f"), f"{t['peak_gib']:.1f}", harness.cell(r.get("speedup")),
+            f"{r['update_rel_diff']:.1e}", "ok" if r["gate_ok"] else "FAIL",
+        ])  # fmt: skip
+    harness.print_table(
+        ["model", "verl s", "GiB", "tree s", "GiB", "speedup", "update diff", "gate"],
+        table,
+        title=f"{harness.device_name()}; train_mini_batch of {rows[0]['prompts']} prompts x G={rows[0]['group']}",
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["qwen2-0.5b", "qwen3-1.7b"], choices=list(shapes.MODELS))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--response", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29573", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as directory:
+        rows = [run(model, args, directory) for model in args.models]
+    harness.write_results("verl_update", rows, args.out, key=lambda r: r["model"])
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
