@@ -131,7 +131,7 @@ class CachedLinearMixing(TreeLinearMixing):
         self.rows, self.Tq = B, Tq
         self.parent = torch.where(parent >= 0, parent + offset, -1).flatten()
         self.keep, self.window, self._layer = set(keep), {}, None
-        self._segments = None
+        self._segments, self._conv = None, {}  # the step's segments; its convolution forest per kernel width
 
     def _extended(self, kernel: int) -> torch.Tensor:
         """Parent pointers of each row's ``kernel - 1`` cached tokens (a chain) then its window, flattened."""
@@ -155,8 +155,9 @@ class CachedLinearMixing(TreeLinearMixing):
             history = x.new_zeros(B, kernel - 1, C)
         inputs = torch.cat([history, x.transpose(1, 2)], dim=1)  # [B, kernel - 1 + Tq, C]
         self.window[self._layer] = (inputs, {})
-        parent = self._extended(kernel)
-        out = TreeLinearMixing(parent).conv(original, inputs.flatten(0, 1).t()[None], weight, bias, activation)
+        if kernel not in self._conv:  # one forest for every layer of the step (its ancestors found once)
+            self._conv[kernel] = TreeLinearMixing(self._extended(kernel))
+        out = self._conv[kernel].conv(original, inputs.flatten(0, 1).t()[None], weight, bias, activation)
         return out[0].t().view(B, kernel - 1 + Tq, C)[:, kernel - 1 :].transpose(1, 2)
 
     def delta_rule(
@@ -188,10 +189,12 @@ class CachedLinearMixing(TreeLinearMixing):
         if not ends:  # every row finished
             self.states, self.history = {}, {}
             return
+        taps_of = {}  # kernel - 1 -> each going row's H nearest tokens, oldest first
         for layer, (inputs, kept) in window.items():
             H = inputs.shape[1] - self.Tq  # kernel - 1
             self.states[layer] = torch.stack([kept[t] for t in ends])
-            ancestors = path_ancestors(self._extended(H + 1), H + 1)  # [B * (H + Tq), kernel]
-            at = torch.tensor([(t // self.Tq) * (H + self.Tq) + H + t % self.Tq for t in ends], device=device)
-            taps = ancestors[at][:, :H].flip(-1)  # the H nearest tokens of each path, oldest first
-            self.history[layer] = inputs.flatten(0, 1)[taps]  # [rows, H, C]; each row holds H cached tokens
+            if H not in taps_of:
+                ancestors = path_ancestors(self._extended(H + 1), H + 1)  # [B * (H + Tq), kernel]
+                at = torch.tensor([(t // self.Tq) * (H + self.Tq) + H + t % self.Tq for t in ends], device=device)
+                taps_of[H] = ancestors[at][:, :H].flip(-1)
+            self.history[layer] = inputs.flatten(0, 1)[taps_of[H]]  # [rows, H, C]
