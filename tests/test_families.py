@@ -173,10 +173,12 @@ def test_kernel_tree_backward_in_chunks(family):
     assert_same(logprobs, grads(model), want_lp, want_grads, 1e-4, "kernel, chunks of 7")
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES[:3])
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "deepseek-v3"])  # DeepSeek-V3 has none
 def test_router_aux_loss_equals_the_padded_batch(family):
     """A MoE model's load-balancing loss over the tree, each packed token counted once per rollout that
-    holds it, equals the model's own on the padded batch of the rollouts, and so do its gradients."""
+    holds it, equals the model's own on the padded batch of the rollouts, and so do its gradients
+    (Qwen3-Next's loss sums its token weights in float32: looser there)."""
+    value_rtol, grad_rtol = (1e-6, 5e-6) if family == "qwen3-next" else (1e-9, 1e-6)  # routers: float32
     model = tiny_family_model(family, torch.float64)
     width = max(map(len, GRPO))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in GRPO])
@@ -187,11 +189,11 @@ def test_router_aux_loss_equals_the_padded_batch(family):
     assert int(tree.multiplicity.sum()) == int(mask.sum())
     for twin in (dta_ref.tree_logprobs_and_entropy, dta_fast.tree_logprobs_and_entropy):
         aux = twin(model, tree, router_aux_loss=True).aux_loss
-        torch.testing.assert_close(aux, want, rtol=1e-9, atol=0)
+        torch.testing.assert_close(aux, want, rtol=value_rtol, atol=0)
         got = torch.autograd.grad(aux, list(model.parameters()), allow_unused=True)
         assert [g is None for g in got] == [w is None for w in want_grads]  # the same parameters reached
         got, flat = (torch.cat([x.flatten() for x in gs if x is not None]) for gs in (got, want_grads))
-        assert float((got - flat).norm() / flat.norm()) < 1e-6  # routers compute in float32
+        assert float((got - flat).norm() / flat.norm()) < grad_rtol
     with pytest.raises(TypeError, match="no MoE auxiliary loss|no router logits"):
         dta_ref.tree_logprobs_and_entropy(tiny_family_model("llama"), tree, router_aux_loss=True)
 
