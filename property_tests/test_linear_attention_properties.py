@@ -183,11 +183,12 @@ def test_levels_are_batched_only_where_flash_linear_attention_imports(monkeypatc
     st.integers(1, 12),
     st.booleans(),
     st.sampled_from(["qwen3.5", "qwen3-next"]),
+    st.booleans(),
 )
-def test_hybrid_chunks_equal_each_rollout_alone(sequences, chunk, recompute, family):
+def test_hybrid_chunks_equal_each_rollout_alone(sequences, chunk, recompute, family, checkpoint_layers):
     """tree_backward on a hybrid in chunks of any size (states and convolution inputs read across chunks,
-    kept or recomputed): logprobs and gradients of each rollout alone through the model's own forward
-    (which computes its delta rule in float32, hence 3e-5)."""
+    kept or recomputed, layers checkpointed or not): logprobs and gradients of each rollout alone through
+    the model's own forward (which computes its delta rule in float32, hence 3e-5)."""
     from tests.helpers import assert_grads_close, param_grads, tiny_family_model
 
     model = tiny_family_model(family, torch.float64)
@@ -195,7 +196,8 @@ def test_hybrid_chunks_equal_each_rollout_alone(sequences, chunk, recompute, fam
     flat = dta_ref.flat_logprobs(model, sequences)
     expected = param_grads(model, dta_ref.sft_loss(flat, tree.logprob_mask, "sequence_mean"))
     lp, _ = dta_fast.tree_backward(
-        model, tree, dta_ref.SFTLoss(tree.logprob_mask, "sequence_mean"), max_chunk_tokens=chunk, recompute=recompute
-    )
+        model, tree, dta_ref.SFTLoss(tree.logprob_mask, "sequence_mean"), max_chunk_tokens=chunk, recompute=recompute,
+        checkpoint_layers=checkpoint_layers,
+    )  # fmt: skip
     torch.testing.assert_close(lp, flat.detach(), rtol=0, atol=3e-5)
     assert_grads_close({n: p.grad for n, p in model.named_parameters()}, expected, rel=3e-5)

@@ -78,6 +78,25 @@ def test_reference_tree_equals_each_rollout_alone(family, rollouts):
 
 
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
+@pytest.mark.parametrize("checkpointing", ["ours", "model"])
+def test_hybrid_chunks_with_checkpointed_layers(family, checkpointing):
+    """Hybrids in chunks with every layer under non-reentrant activation checkpointing (tree_backward's
+    checkpoint_layers, or the model's own gradient checkpointing): a layer's recomputation reads the same
+    states and convolution inputs, so logprobs and every gradient are each rollout alone's."""
+    model = tiny_family_model(family, torch.float64).train()
+    options = dict(checkpoint_layers=True) if checkpointing == "ours" else {}
+    if checkpointing == "model":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for sequences in (GRPO, AGENTIC):
+        tree = PrefixTree.from_sequences(sequences)
+        want_lp, want_grads = each_rollout_alone(model, sequences, tree)
+        for chunk in (5, 13):
+            model.zero_grad(set_to_none=True)
+            logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=chunk, **options)
+            assert_same(logprobs, grads(model), want_lp, want_grads, 3e-5, f"checkpointed, chunks of {chunk}")
+
+
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_hybrid_forks_inside_a_convolution_window(family):
     """Forks 1, 2 and 3 tokens after the one before (the convolution spans 4 tokens, so its window crosses
     two or three branch points): both twins and tree_backward in chunks against each rollout alone."""

@@ -420,7 +420,7 @@ def test_moe_router_aux_loss_as_grpo_trainer(tmp_path):
 def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
     """A Qwen3.5 policy (a Gated DeltaNet layer before an attention layer): TreeGRPOTrainer's losses and
     parameters are GRPOTrainer's (SGD, 3 steps), packed and in chunks of 4 tokens (recurrent states read
-    across chunks)."""
+    across chunks), also with TRL's gradient checkpointing on (non-reentrant)."""
     from tests.helpers import tiny_family_model
 
     model = tiny_family_model("qwen3.5", torch.float32, "sdpa", seed=3)
@@ -434,6 +434,11 @@ def test_hybrid_linear_attention_policy_as_grpo_trainer(tmp_path):
         TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "chunked", path, tree_max_chunk_tokens=4
     )
     assert_same_training(base_logs, base_updates, chunked_logs, chunked_updates)
+    checkpointed_logs, _, checkpointed_updates = train(
+        TreeGRPOTrainer, TreeGRPOConfig, tmp_path / "checkpointed", path, tree_max_chunk_tokens=4,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+    )  # fmt: skip
+    assert_same_training(base_logs, base_updates, checkpointed_logs, checkpointed_updates)
 
 
 @pytest.mark.parametrize(

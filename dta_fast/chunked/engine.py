@@ -177,12 +177,6 @@ class ChunkEngine:
         linear = linear_layers_of(core) if core is not None else []
         self.linear_layer_of = {id(linear_module_of(core, i).conv1d.weight): i for i in linear}
         if linear and plan.num_chunks > 1:
-            if plan.checkpoint_layers or self.adapter.checkpointed_layers:
-                raise ValueError(
-                    "linear-attention layers in several chunks read and export recurrent states from their "
-                    "forward, which activation checkpointing would redo: train hybrids in chunks without "
-                    "checkpointed layers (checkpoint_layers=False, the model's gradient checkpointing off)"
-                )
             self.links = ChunkLinks(tree.parent.cpu().numpy(), plan.start, plan.stop)
         self.cuda_devices = tuple(sorted({p.device for p in model.parameters() if p.is_cuda}, key=str))
 

@@ -24,6 +24,12 @@ from dta_ref.linear_attention import _check_one_row
 
 from ..linear_attention import TreeLinearMixing, segments
 
+REENTRANT_REFUSED = (
+    "linear-attention layers in several chunks export recurrent states from their forward, which reentrant "
+    "activation checkpointing runs without a graph (its backward redoes it): checkpoint the model's layers "
+    "non-reentrantly (gradient_checkpointing_kwargs={'use_reentrant': False}), or train in one chunk"
+)
+
 
 class LinearStore:
     """One layer's exports of an open chunk: its tokens' convolution inputs [n, C] and the recurrent states
@@ -76,6 +82,7 @@ class ChunkLinearMixing(TreeLinearMixing):
         self.pieces = engine.plan.prefix(c)
         self.prefix = int(engine.plan.prefix_tokens[c])
         self.depth = engine.tree.position_ids
+        self.grad = torch.is_grad_enabled()  # a pass that trains: its layers' forwards must build graphs
         self.imports: list[tuple[torch.Tensor, LinearStore, object]] = []  # (leaf, owner store, where)
         self.exports: list[tuple[torch.Tensor, LinearStore, object]] = []  # (graph tensor, own store, where)
 
@@ -87,6 +94,8 @@ class ChunkLinearMixing(TreeLinearMixing):
 
     def conv(self, original, x, weight, bias=None, activation=None, **kwargs):
         _check_one_row("the convolution's input", x)
+        if self.grad and not torch.is_grad_enabled():
+            raise ValueError(REENTRANT_REFUSED)
         base = weight._base if weight._base is not None else weight
         self._layer = self.layer_of[id(base)]
         own = self._store(self._layer, x[0].t())

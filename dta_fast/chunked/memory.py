@@ -74,8 +74,9 @@ class MemoryModel:
             closing=2 * W,
             new_grads=unset_grad_bytes(model),
             checkpointed=checkpointed * 51 // 50,
-            # ... and its backward's temporaries: about three MLP-intermediate-sized gradients
-            layer=(layer + 3 * shape.intermediate * size) * 51 // 50,
+            # ... and its backward's temporaries: about three MLP-intermediate-sized gradients (a linear-attention
+            # layer's, with its mixer's own temporaries, where it is the larger)
+            layer=(max(layer, linear_layer + 2 * mixer if linear else 0) + 3 * shape.intermediate * size) * 51 // 50,
             layer_kv=kv * size // max(shape.layers - linear, 1),
             model_checkpoints=own == shape.layers,
             linear_backward=2 * mixer,
