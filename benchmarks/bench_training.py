@@ -455,22 +455,22 @@ def per_segment_scores(model, tree):
     """``tree_logprobs`` with each unbranched segment of a linear-attention layer one kernel call."""
     import dta_fast.linear_attention as linear
 
-    installed = linear._fla_installed
-    linear._fla_installed = lambda: False
+    installed = linear.fla_available
+    linear.fla_available = lambda: False
     try:
         return dta_fast.tree_logprobs(model, tree)
     finally:
-        linear._fla_installed = installed
+        linear.fla_available = installed
 
 
 def score_row(model, model_name: str, key: str, name: str, sequences, args) -> dict:
-    from dta_fast.linear_attention import _fla_installed
+    from dta_fast.linear_attention import fla_available
 
     tree = dta_fast.build_tree(sequences)
     chains = [PrefixTree.from_sequences([s]).to(device_of(model)) for s in sequences]
     flat_flops, tree_flops = flat_and_tree_flops(model, tree, sequences)
     methods = dict(flat=lambda: flat_scores(model, chains), tree=lambda: dta_fast.tree_logprobs(model, tree))
-    if linear_layers_of(model) and _fla_installed():
+    if linear_layers_of(model) and fla_available():
         methods["tree_per_segment"] = lambda: per_segment_scores(model, tree)
     row = dict(batch=name, rollouts=BATCHES.get(key, key), model=model_name, flat_tokens=tree.flat_tokens,
                tree_tokens=tree.num_tokens, ideal_speedup=flat_flops / tree_flops, methods={})  # fmt: skip

@@ -21,11 +21,11 @@ import torch
 from dta_ref.linear_attention import TreeLinearMixing as _Reference
 from dta_ref.linear_attention import _check_one_row, _check_whole_forest, levels, path_ancestors, segments
 
-__all__ = ["CachedLinearMixing", "TreeLinearMixing", "levels", "run_segments", "segments"]
+__all__ = ["CachedLinearMixing", "TreeLinearMixing", "fla_available", "levels", "run_segments", "segments"]
 
 
 @cache
-def _fla_installed() -> bool:
+def fla_available() -> bool:
     """Whether flash-linear-attention's delta rule imports, as transformers tries it (on failure the model's
     modeling file keeps its PyTorch form, which cannot take variable-length calls)."""
     if importlib.util.find_spec("fla") is None:
@@ -43,7 +43,7 @@ def run_segments(original, query, key, value, g, beta, segs, entering, use_qk_l2
     all tokens and each segment's final state [1, H, K, V]. ``varlen`` (default: on CUDA with
     flash-linear-attention) runs each level in one variable-length call of ``original``."""
     if varlen is None:
-        varlen = query.is_cuda and _fla_installed()
+        varlen = query.is_cuda and fla_available()
     finals: list[torch.Tensor | None] = [None] * len(segs)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if not varlen:

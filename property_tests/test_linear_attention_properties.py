@@ -168,13 +168,13 @@ def test_levels_are_batched_only_where_flash_linear_attention_imports(monkeypatc
     import importlib.util
     import sys
 
-    fast._fla_installed.cache_clear()
+    fast.fla_available.cache_clear()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else None)
     monkeypatch.setitem(sys.modules, "fla", None)  # an import of it raises
     try:
-        assert not fast._fla_installed()
+        assert not fast.fla_available()
     finally:
-        fast._fla_installed.cache_clear()
+        fast.fla_available.cache_clear()
 
 
 @settings(max_examples=15, deadline=None)
