@@ -77,6 +77,23 @@ def test_reference_tree_equals_each_rollout_alone(family, rollouts):
         assert_same(logprobs, grads(model), want_lp, want_grads, rel, f"tree_backward, chunks of {chunk}")
 
 
+def assert_hybrid_is_each_rollout_alone(family: str, sequences, chunks) -> None:
+    """Both twins' tree_logprobs and tree_backward in ``chunks``: each rollout alone's logprobs and every
+    gradient (the model's delta rule computes in float32 whatever its dtype, hence 3e-5)."""
+    tree = PrefixTree.from_sequences(sequences)
+    model = tiny_family_model(family, torch.float64)
+    want_lp, want_grads = each_rollout_alone(model, sequences, tree)
+    for twin in (dta_ref, dta_fast):
+        model.zero_grad(set_to_none=True)
+        logprobs = twin.tree_logprobs(model, tree)
+        weighted(logprobs, tree).backward()
+        assert_same(logprobs.detach(), grads(model), want_lp, want_grads, 3e-5, f"{twin.__name__}.tree_logprobs")
+    for chunk in chunks:
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=chunk)
+        assert_same(logprobs, grads(model), want_lp, want_grads, 3e-5, f"tree_backward, chunks of {chunk}")
+
+
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
 @pytest.mark.parametrize("checkpointing", ["ours", "model"])
 def test_hybrid_chunks_with_checkpointed_layers(family, checkpointing):
@@ -108,18 +125,7 @@ def test_hybrid_forks_inside_a_convolution_window(family):
         prompt + [10, 11, 12, 40, 41, 42, 43],  # 3 tokens after
         prompt + [50, 51, 52, 53],
     ]  # each branch longer than the window, so the window's reach below every fork is scored
-    tree = PrefixTree.from_sequences(sequences)
-    model = tiny_family_model(family, torch.float64)
-    want_lp, want_grads = each_rollout_alone(model, sequences, tree)
-    for twin in (dta_ref, dta_fast):
-        model.zero_grad(set_to_none=True)
-        logprobs = twin.tree_logprobs(model, tree)
-        weighted(logprobs, tree).backward()
-        assert_same(logprobs.detach(), grads(model), want_lp, want_grads, 3e-5, f"{twin.__name__}.tree_logprobs")
-    for chunk in (None, 3, 5):
-        model.zero_grad(set_to_none=True)
-        logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=chunk)
-        assert_same(logprobs, grads(model), want_lp, want_grads, 3e-5, f"tree_backward, chunks of {chunk}")
+    assert_hybrid_is_each_rollout_alone(family, sequences, chunks=(None, 3, 5))
 
 
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
@@ -131,17 +137,7 @@ def test_hybrid_segments_longer_than_the_kernel_chunk(family):
     )  # fmt: skip
     tree = PrefixTree.from_sequences(sequences)
     assert max(end - start for start, end, _ in dta_ref.linear_attention.segments(tree.parent)) > 128
-    model = tiny_family_model(family, torch.float64)
-    want_lp, want_grads = each_rollout_alone(model, sequences, tree)
-    for twin in (dta_ref, dta_fast):
-        model.zero_grad(set_to_none=True)
-        logprobs = twin.tree_logprobs(model, tree)
-        weighted(logprobs, tree).backward()
-        assert_same(logprobs.detach(), grads(model), want_lp, want_grads, 3e-5, f"{twin.__name__}.tree_logprobs")
-    for chunk in (None, 100):
-        model.zero_grad(set_to_none=True)
-        logprobs, _ = dta_fast.tree_backward(model, tree, WeightedLoss(tree), max_chunk_tokens=chunk)
-        assert_same(logprobs, grads(model), want_lp, want_grads, 3e-5, f"tree_backward, chunks of {chunk}")
+    assert_hybrid_is_each_rollout_alone(family, sequences, chunks=(None, 100))
 
 
 def WeightedLoss(tree: PrefixTree) -> LinearizedLoss:
