@@ -403,9 +403,14 @@ def _eagerly(forward, *args, **kwargs):
 def call_as_forward(module: nn.Module, fn):
     """``fn()`` run as the forward of ``module``, through the module's own call, so the hooks of that call
     run around it: FSDP2's gather of the sharded parameters before, and the reduction of their gradients
-    in the backward."""
-    with _forward_replaced(module, fn):
-        return module()
+    in the backward. ``fn`` travels as the call's one keyword: FSDP2's root pre-forward (torch 2.11 on
+    CUDA) moves the call's inputs to the device and indexes what it moved, so a call with none fails."""
+    with _forward_replaced(module, _call_argument):
+        return module(dta_call=fn)
+
+
+def _call_argument(dta_call):
+    return dta_call()
 
 
 @contextmanager

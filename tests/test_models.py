@@ -556,3 +556,25 @@ def test_ddp_model(one_rank_group):
     assert_matches_each_rollout_alone(ddp, truth, twins={"ref": dta_ref.tree_logprobs})
     with pytest.raises(TypeError, match="distributed_tree_backward"):
         dta_fast.tree_backward(ddp, TREE, dta_ref.SFTLoss(TREE.logprob_mask))
+
+
+def test_call_as_forward_gives_the_call_an_input_to_move():
+    """FSDP2's root pre-forward on CUDA (torch 2.11) moves a call's inputs with DDP's ``_to_kwargs`` and
+    indexes what it moved, which fails for a call without inputs: ``call_as_forward`` (verl's tree engines
+    run their packed forward through it) passes its function as the call's keyword, and returns its result."""
+    from torch.distributed.utils import _to_kwargs
+
+    from dta_ref.adapter import call_as_forward
+
+    module = torch.nn.Linear(2, 2)
+    moved = []
+
+    def as_fsdp2_root(mod, args, kwargs):
+        args_tuple, kwargs_tuple = _to_kwargs(args, kwargs, torch.device("cpu"), False)
+        moved.append((args_tuple[0], kwargs_tuple[0]))
+
+    module.register_forward_pre_hook(as_fsdp2_root, with_kwargs=True)
+    out = call_as_forward(module, lambda: module.weight.sum() * 2)
+    assert len(moved) == 1 and torch.equal(out, module.weight.sum() * 2)
+    assert "forward" not in module.__dict__  # the module's own forward is back
+    assert torch.equal(module(torch.ones(2)), torch.nn.functional.linear(torch.ones(2), module.weight, module.bias))
