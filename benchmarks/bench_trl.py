@@ -2,6 +2,7 @@
 
     python benchmarks/bench_trl.py [--groups P1K-G8-R1K P2K-G8-R1K P2K-G16-R1K] [--repeats 3] [--out DIR]
     python benchmarks/bench_trl.py --full-step [--steps 12] [--train-seconds 150] [--prompts 2] [--group 8]
+                                   [--prompt-pool N]
 
 One micro-batch per prompt: the G completions of a shapes.ROLLOUTS GRPO set (up to R tokens, lengths
 spread over [R/2, R], right-padded) after its prompt of P tokens, laid out as GRPOTrainer lays it out
@@ -19,10 +20,12 @@ results/trl_grpo_<GPU>.json and prints the table last.
 bench_rollout.py's templated task, whose policy (``llama-24m``, pretrained for ``--train-seconds``)
 converges, so completions repeat: GRPOTrainer (transformers' generate) against TreeGRPOTrainer with
 ``tree_generation`` (the tree cache drafts). The reward is the share of the template a completion
-follows. Gate, before timing: the first steps of GRPOTrainer and of TreeGRPOTrainer generating the
-same way (generate, the same seeds) log the same losses and entropies. The cached sampler draws other samples from
-the same distribution, so the timed runs compare reward curves, not losses. Seconds per step are
-medians over the steps after ``--warmup`` (the cache warm); peak memory over the run. Writes
+follows. The dataset holds ``--prompt-pool`` prompts (default: one step's), which the steps cycle
+through: a prompt's earlier completions are in the cache from its second visit on. Gate, before
+timing: the first steps of GRPOTrainer and of TreeGRPOTrainer generating the same way (generate, the
+same seeds) log the same losses and entropies. The cached sampler draws other samples from the same
+distribution, so the timed runs compare reward curves, not losses. Seconds per step are medians over
+the steps after ``--warmup`` (the cache warm); peak memory over the run. Writes
 results/trl_full_step_<GPU>.json and prints the table last.
 """
 
@@ -275,9 +278,12 @@ def full_step(args) -> dict:
     model = task.build_model(device)
     pretraining = task.train(model, args.train_seconds, 16, device, print)
     rng = random.Random(7)
-    prompts = [task.make_prompt(rng) for _ in range(args.prompts * args.steps)]
-    row = dict(model=task.MODEL, pretraining=pretraining, prompts_per_step=args.prompts, group=args.group,
-               max_completion=args.max_completion, steps=args.steps, warmup=args.warmup, runs={})  # fmt: skip
+    # the dataset: --prompt-pool prompts, revisited as the steps cycle through it (by default one step's
+    # worth, so every step is a new epoch over the same prompts and the cache has their earlier completions)
+    prompts = [task.make_prompt(rng) for _ in range(args.prompt_pool or args.prompts)]
+    row = dict(model=task.MODEL, pretraining=pretraining, prompts_per_step=args.prompts, prompt_pool=len(prompts),
+               group=args.group, max_completion=args.max_completion, steps=args.steps, warmup=args.warmup,
+               runs={})  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(f"{tmp}/policy")
         del model
@@ -344,6 +350,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--train-seconds", type=float, default=150, help="--full-step: the policy's pretraining")
     p.add_argument("--prompts", type=int, default=2, help="--full-step: prompts per step")
     p.add_argument("--group", type=int, default=8, help="--full-step: completions per prompt")
+    p.add_argument(
+        "--prompt-pool",
+        type=int,
+        default=None,
+        help="--full-step: distinct prompts in the dataset, which the steps cycle through (default: "
+        "--prompts, the same prompts every step)",
+    )
     p.add_argument("--max-completion", type=int, default=1200, help="--full-step: max_completion_length")
     p.add_argument("--lr", type=float, default=1e-6, help="--full-step: learning rate")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
