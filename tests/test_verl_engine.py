@@ -496,9 +496,10 @@ def test_videos_are_refused():
 
 
 def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
-    """benchmarks/bench_verl.py on a tiny Qwen2 in float32: verl's engine and the tree engine in verl's
-    worker make the same update (the gate), then are timed; an update that differs fails the gate and
-    gives no speed figure."""
+    """benchmarks/bench_verl.py on a tiny Qwen2: in float32 verl's engine and the tree engine in verl's
+    worker make the same update, in bf16 the tree's is as near verl's float32 update as verl's own bf16
+    one (the gates), then verl's two layouts and the tree are timed; an update that differs fails a gate
+    and gives no speed figure."""
     import sys
     from pathlib import Path
 
@@ -506,13 +507,14 @@ def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
     import bench_verl
 
     args = bench_verl.parser().parse_args(
-        ["--prompts", "2", "--group", "4", "--prompt-len", "6", "--response", "6", "--repeats", "1",
-         "--param-dtype", "fp32"]
+        ["--prompts", "2", "--group", "4", "--prompt-len", "6", "--response", "6", "--repeats", "1"]
     )  # fmt: skip
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)  # fmt: skip
     row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "a"), **tiny)
-    assert row["gate_ok"] and row["update_rel_diff"] < 1e-4 and row["speedup"] > 0
+    assert row["gate_ok"] and row["exact_rel_diff"] < 1e-4 and row["speedup"] > 0
+    assert set(row["engines"]) == {"verl", "verl_padded", "tree"}
+    assert row["baseline"] in (row["engines"]["verl"], row["engines"]["verl_padded"])
     assert row["unique_tokens"] < row["tokens"] and len(row["engines"]["tree"]["step_seconds"]) == 1
     bench_verl.print_table([row])
     right = bench_verl.parameters
@@ -524,3 +526,14 @@ def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_verl, "parameters", off)
     row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "b"), **tiny)
     assert not row["gate_ok"] and "speedup" not in row and "seconds" not in row["engines"]["tree"]
+    monkeypatch.setattr(bench_verl, "parameters", right)
+    calls, exact_update = [], bench_verl.update
+
+    def bf16_tree_off(w, td):  # float32 right, the tree's bf16 update 50% off: the drift gate fails
+        calls.append(type(w.engine).__name__)
+        scale = 1.5 if len(calls) > 2 and calls[-1].startswith("Tree") else 1.0
+        return exact_update(w, td) * scale
+
+    monkeypatch.setattr(bench_verl, "update", bf16_tree_off)
+    row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "c"), **tiny)
+    assert row["exact_rel_diff"] < 1e-4 and not row["gate_ok"] and "speedup" not in row
