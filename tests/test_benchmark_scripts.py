@@ -395,11 +395,21 @@ def test_trl_benchmark_batch_and_gate(tiny_model):
     lengths = inputs["completion_mask"].sum(1)
     assert inputs["prompt_ids"].shape == (4, 16) and lengths.min() >= 4 and lengths.max() <= 8
     assert bench_trl.ideal_speedup(tiny_model, 16, lengths.tolist()) > 1
-    grads = torch.randn(100)
-    base = (0.0, 1.0, torch.zeros(4, 8), grads)
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(100, generator=gen)
+    truth = (0.0, 1.0, torch.zeros(4, 8), grads)
     mask = inputs["completion_mask"].bool()
-    assert bench_trl.trl_gate("same", base, (0.0, 1.0 + 1e-3, torch.zeros(4, 8), grads * 1.01), mask)[0].ok
-    assert not bench_trl.trl_gate("wrong", base, (0.0, 1.0, torch.zeros(4, 8), -grads), mask)[0].ok
+
+    def step(loss, g):
+        return (0.0, loss, torch.zeros(4, 8), g)
+
+    base = step(1.0 + 2e-3, grads + 0.05 * torch.randn(100, generator=gen))  # bf16 rounding's distance
+    near = step(1.0 - 2e-3, grads + 0.05 * torch.randn(100, generator=gen))
+    assert bench_trl.trl_gate("as near", base, near, truth, mask)[0].ok
+    assert not bench_trl.trl_gate("wrong", base, step(1.0, -grads), truth, mask)[0].ok
+    far = step(1.0, grads + 0.15 * torch.randn(100, generator=gen))  # three times GRPOTrainer's distance
+    assert not bench_trl.trl_gate("farther", base, far, truth, mask)[0].ok
+    assert not bench_trl.trl_gate("loss off", base, step(1.01, near[3]), truth, mask)[0].ok
 
 
 def test_trl_full_step_gates_then_times_both_trainers(tmp_path, monkeypatch):
