@@ -49,6 +49,7 @@ SCRIPTS = [
     "bf16_drift",
     "memory_snapshot",
     "profile_step",
+    "profile_trl",
 ]
 TINY_QWEN2 = shapes.ModelShape("qwen2", 32, 64, 2, 4, 2, 8, 300)
 
