@@ -50,6 +50,7 @@ SCRIPTS = [
     "memory_snapshot",
     "profile_step",
     "profile_trl",
+    "small_trees",
 ]
 TINY_QWEN2 = shapes.ModelShape("qwen2", 32, 64, 2, 4, 2, 8, 300)
 
@@ -575,6 +576,31 @@ def test_profile_step_sorts_kernels_into_categories():
     assert profile_step.category("tree_attention_bwd_dkdv_kernel") == "attention"
     assert profile_step.category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert profile_step.category("some_unknown_kernel") == "other"
+
+
+def test_small_trees_per_path_decomposition_is_tree_attention():
+    """small_trees.py's per-path method: each sequence's tokens that no earlier one holds, attending its
+    whole path causally (aligned at the path's end, as varlen FlashAttention aligns it), are the tree's
+    attention; here with dta_ref's attention per path in place of FlashAttention."""
+    import small_trees
+
+    from dta_ref import tree_attention as reference
+
+    tree = PrefixTree.from_sequences(
+        [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [1, 2, 3, 4, 8], [9, 10], [1, 2, 3]]
+    )  # fmt: skip
+    paths = small_trees.owned_paths(tree)
+    owned = torch.cat([q for q, _ in paths])
+    assert sorted(owned.tolist()) == list(range(tree.num_tokens))  # every token a query once
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, tree.num_tokens, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    want = reference(q, k, v, tree.subtree_end)
+    got = torch.zeros_like(want)
+    for queries, path in paths:
+        chain = torch.full((len(path),), len(path))  # a chain: every later token sees each one
+        out = reference(q[:, :, queries], k[:, :, path], v[:, :, path], chain)
+        got[:, :, queries] = out
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_cuda_graph_cases_are_registered():
