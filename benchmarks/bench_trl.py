@@ -188,13 +188,15 @@ def trl_gate(name, base, tree, truth, mask) -> tuple[harness.Gate, float]:
 
 def float32_step(trainer_cls, config_cls, weights32, state, group_size, completion_length, out_dir, inputs):
     """``step_result`` of a float32 trainer (no autocast) on float32 weights loaded from ``state``, under
-    gradient checkpointing (what fits): the gate's truth."""
+    gradient checkpointing (what fits): the gate's truth. The trainer puts the weights on its device; they
+    go back to the CPU after."""
     weights32.load_state_dict(state)
     trainer = build_trainer(
         trainer_cls, config_cls, weights32, group_size, completion_length, True, out_dir, bf16=False
     )  # fmt: skip
     result = step_result(trainer, inputs)
     weights32.zero_grad(set_to_none=True)
+    weights32.to("cpu")
     del trainer
     harness.empty_cache()
     return result
@@ -399,7 +401,8 @@ def main(argv=None):
 
     weights = shapes.build_model(MODEL)
     state = {k: v.clone() for k, v in weights.state_dict().items()}
-    weights32 = shapes.build_model(MODEL, dtype=torch.float32)  # the gate's float32 step, of the same weights
+    # the gate's float32 step, of the same weights; kept on the CPU between steps (the peaks stay the trainers')
+    weights32 = shapes.build_model(MODEL, device="cpu", dtype=torch.float32)
     trainers = (("GRPOTrainer", GRPOTrainer, GRPOConfig), ("TreeGRPOTrainer", TreeGRPOTrainer, TreeGRPOConfig))
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
