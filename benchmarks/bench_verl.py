@@ -149,10 +149,6 @@ def update(w, td) -> torch.Tensor:
     return parameters(w) - before
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 # the timed engines: verl's with padding removal on and off, and the tree engine
 ENGINES = {"verl": (False, True), "verl_padded": (False, False), "tree": (True, True)}
 
@@ -172,13 +168,13 @@ def run(model: str, args, directory: str, **overrides) -> dict:
         del w
         harness.empty_cache()
     truth = exact[False]
-    row["exact_rel_diff"] = relative(exact[True], truth)
+    row["exact_rel_diff"] = harness.relative_error(exact[True], truth)
     drift = {}
     for name, (tree, remove_padding) in ENGINES.items():
         w = worker(path, tree, args.group, args.prompts, args.param_dtype, remove_padding)
         harness.reset_peak()
         seconds, step = harness.wall_seconds(lambda w=w: update(w, td))  # the gate's step, also the warm-up
-        drift[name] = relative(step, truth)
+        drift[name] = harness.relative_error(step, truth)
         times = [timed(w, td) for _ in range(args.repeats)]
         row["engines"][name] = dict(
             remove_padding=remove_padding,
