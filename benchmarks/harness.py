@@ -333,6 +333,13 @@ def plot_bars(
     return path
 
 
+def on_gpu(event) -> bool:
+    """Whether a torch.profiler entry is a kernel or copy on the GPU: the profiler also charges that time
+    to the operator that launched it and to the ranges the code marks, so only these entries add up to
+    the GPU's time."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation
+
+
 def cell(value, fmt: str = ".2f") -> str:
     """A table cell: "-" for a missing value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

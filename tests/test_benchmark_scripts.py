@@ -50,6 +50,7 @@ SCRIPTS = [
     "memory_snapshot",
     "profile_step",
     "profile_trl",
+    "profile_verl",
     "small_trees",
 ]
 TINY_QWEN2 = shapes.ModelShape("qwen2", 32, 64, 2, 4, 2, 8, 300)
@@ -568,6 +569,19 @@ def test_memory_snapshot_marks_each_forward_and_close(tiny_model):
     assert forwards == closes == list(range(len(forwards))) and len(forwards) > 1
     assert marks.labels[0] == "F0" and marks.labels[-1] == "B0"
     assert ChunkEngine.forward is forward
+
+
+def test_only_gpu_entries_add_up_to_the_gpu_time():
+    from types import SimpleNamespace
+
+    kinds = torch.autograd.DeviceType
+
+    def entry(device, annotation=False):
+        return SimpleNamespace(device_type=device, is_user_annotation=annotation)
+
+    # a kernel counts; the operator that launched it and a marked range also carry its time, and do not
+    assert harness.on_gpu(entry(kinds.CUDA))
+    assert not harness.on_gpu(entry(kinds.CPU)) and not harness.on_gpu(entry(kinds.CUDA, annotation=True))
 
 
 def test_profile_step_sorts_kernels_into_categories():

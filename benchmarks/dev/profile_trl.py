@@ -38,7 +38,7 @@ def profiled_step(step) -> dict:
         step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in averages) / 1e3
+    gpu_ms = sum(e.self_device_time_total for e in averages if harness.on_gpu(e)) / 1e3
     launches = sum(e.count for e in averages if e.key in LAUNCHES)
     functions = ("TreeAttentionFunction", "TreeAttentionFunctionBackward")
     attention = {e.key: e.cpu_time_total / 1e3 for e in averages if e.key in functions}

@@ -1,0 +1,89 @@
+"""Where verl's policy update spends its time, and how far two exact float32 updates fall apart.
+
+    python benchmarks/dev/profile_verl.py [--model qwen2-0.5b] [--prompts 4] [--skip-float32] [--out DIR]
+
+bench_verl.py's mini-batch and workers. (1) float32 compute: the update of verl's engine with padding
+removal on, off, and the tree engine's, each pair's relative L2 distance: how far two exact
+computations of one update land apart on this GPU, the floor any exactness gate stands on. (2) bf16,
+after a warm-up step: one ``train_mini_batch`` of each engine under torch.profiler, its wall seconds,
+its kernels' GPU time and the ten operators that spend the most GPU time. No gate (bench_verl.py gates
+the same steps). Runs in verl's pinned environment. Writes results/profile_verl_<GPU>.json and prints
+the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_verl  # noqa: E402
+import harness  # noqa: E402
+
+
+def profiled(w, td) -> dict:
+    """Wall seconds, kernels' GPU ms and the top GPU operators of one profiled ``train_mini_batch``."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        w.train_mini_batch(td.clone())
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if harness.on_gpu(e)]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    top = [dict(name=e.key[:90], gpu_ms=e.self_device_time_total / 1e3, calls=e.count) for e in events[:10]]
+    return dict(seconds=seconds, gpu_ms=sum(e.self_device_time_total for e in events) / 1e3, top=top)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2-0.5b", choices=list(bench_verl.shapes.MODELS))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--skip-float32", action="store_true", help="only the profiled bf16 steps")
+    p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
+    return p
+
+
+def main(argv=None):
+    mine = parser().parse_args(argv)
+    args, out = bench_verl.parser().parse_args(["--models", mine.model, "--prompts", str(mine.prompts)]), mine.out
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29574", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        os.environ.setdefault(k, v)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    row = dict(model=args.models[0])
+    with tempfile.TemporaryDirectory() as directory:
+        path = bench_verl.checkpoint(args.models[0], os.path.join(directory, "m"))
+        vocab = bench_verl.shapes.MODELS[args.models[0]].vocab_size
+        td, _, _ = bench_verl.mini_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
+        updates = {}
+        for name, (tree, remove_padding) in bench_verl.ENGINES.items() if not mine.skip_float32 else ():
+            w = bench_verl.worker(path, tree, args.group, args.prompts, "fp32", remove_padding)
+            updates[name] = bench_verl.update(w, td)
+            del w
+            harness.empty_cache()
+        pairs = [] if mine.skip_float32 else [("verl", "verl_padded"), ("tree", "verl"), ("tree", "verl_padded")]
+        row["float32_rel_diff"] = {f"{a}~{b}": harness.relative_error(updates[a], updates[b]) for a, b in pairs}
+        print(row, flush=True)
+        row["bf16"] = {}
+        for name, (tree, remove_padding) in bench_verl.ENGINES.items():
+            w = bench_verl.worker(path, tree, args.group, args.prompts, "bf16", remove_padding)
+            w.train_mini_batch(td.clone())  # warm-up
+            row["bf16"][name] = profiled(w, td)
+            print(name, row["bf16"][name], flush=True)
+            del w
+            harness.empty_cache()
+    harness.write_results("profile_verl", [row], out, key=lambda r: r["model"])
+    table = [[n, f"{r['seconds']:.2f}", f"{r['gpu_ms']:.0f}", r["top"][0]["name"][:50]] for n, r in row["bf16"].items()]
+    harness.print_table(["engine", "step s", "GPU ms", "top GPU operator"], table, title=str(row["float32_rel_diff"]))
+
+
+if __name__ == "__main__":
+    main()
