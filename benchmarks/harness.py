@@ -333,11 +333,20 @@ def plot_bars(
     return path
 
 
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")  # the runtime calls that launch
+
+
 def on_gpu(event) -> bool:
     """Whether a torch.profiler entry is a kernel or copy on the GPU: the profiler also charges that time
     to the operator that launched it and to the ranges the code marks, so only these entries add up to
     the GPU's time."""
     return event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation
+
+
+def gpu_ms_and_launches(averages) -> tuple[float, int]:
+    """The GPU time (ms) and the kernel launches of a profile's ``key_averages()``."""
+    gpu_ms = sum(e.self_device_time_total for e in averages if on_gpu(e)) / 1e3
+    return gpu_ms, sum(e.count for e in averages if e.key in LAUNCHES)
 
 
 def cell(value, fmt: str = ".2f") -> str:

@@ -51,6 +51,7 @@ SCRIPTS = [
     "profile_step",
     "profile_trl",
     "profile_verl",
+    "profile_rollout",
     "small_trees",
 ]
 TINY_QWEN2 = shapes.ModelShape("qwen2", 32, 64, 2, 4, 2, 8, 300)
@@ -569,6 +570,18 @@ def test_memory_snapshot_marks_each_forward_and_close(tiny_model):
     assert forwards == closes == list(range(len(forwards))) and len(forwards) > 1
     assert marks.labels[0] == "F0" and marks.labels[-1] == "B0"
     assert ChunkEngine.forward is forward
+
+
+def test_rollout_profile_runs_both_samplers_on_the_cpu(tmp_path, monkeypatch, capsys):
+    import bench_rollout
+    import profile_rollout
+
+    monkeypatch.setattr(bench_rollout, "DEVICE", "cpu")
+    profile_rollout.main(["--rows", "2", "--prompt", "8", "--new-tokens", "4", "--out", str(tmp_path)])
+    _, rows = harness.read_results(next(tmp_path.iterdir()))
+    assert [r["method"] for r in rows] == ["dta_fast.sample", "generate"]
+    assert all(r["ms_per_step"] > 0 and r["top_host"] for r in rows)
+    assert "launches/step" in capsys.readouterr().out
 
 
 def test_only_gpu_entries_add_up_to_the_gpu_time():

@@ -29,8 +29,6 @@ import bench_trl  # noqa: E402
 import harness  # noqa: E402
 import shapes  # noqa: E402
 
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-
 
 def profiled_step(step) -> dict:
     """GPU ms, kernel launches and the tree attention Function's host ms of one profiled ``step``."""
@@ -38,8 +36,7 @@ def profiled_step(step) -> dict:
         step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in averages if harness.on_gpu(e)) / 1e3
-    launches = sum(e.count for e in averages if e.key in LAUNCHES)
+    gpu_ms, launches = harness.gpu_ms_and_launches(averages)
     functions = ("TreeAttentionFunction", "TreeAttentionFunctionBackward")
     attention = {e.key: e.cpu_time_total / 1e3 for e in averages if e.key in functions}
     return dict(gpu_ms=gpu_ms, launches=launches, tree_attention_host_ms=attention)
