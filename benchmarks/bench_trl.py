@@ -246,18 +246,33 @@ def template_share(prompt: list[int], completion: list[int]) -> float:
 
 
 class StepClock:
-    """A trainer callback: the wall seconds of each optimizer step (generation included), synced."""
+    """A trainer callback: the wall seconds of each optimizer step (generation included), synced, and of
+    its part inside the trainer's method that ``watch`` wraps (generation, rewards and scoring)."""
 
     def __init__(self):
-        self.seconds, self._start = [], None
+        self.seconds, self.generation_seconds, self._start, self._inside = [], [], None, 0.0
+
+    def watch(self, trainer, method: str = "_generate_and_score_completions"):
+        inner = getattr(trainer, method)
+
+        def timed(*args, **kwargs):
+            harness.sync()
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            harness.sync()
+            self._inside += time.perf_counter() - start
+            return out
+
+        setattr(trainer, method, timed)
 
     def on_step_begin(self, args, state, control, **kwargs):
         harness.sync()
-        self._start = time.perf_counter()
+        self._start, self._inside = time.perf_counter(), 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         harness.sync()
         self.seconds.append(time.perf_counter() - self._start)
+        self.generation_seconds.append(self._inside)
 
     def __getattr__(self, name):  # the other TrainerCallback events: nothing to do
         if name.startswith("on_"):
@@ -266,7 +281,7 @@ class StepClock:
 
 
 def full_step_run(trainer_cls, config_cls, model_dir, prompts, args, out_dir, **options):
-    """One ``trainer.train()`` of ``args.steps`` steps: (seconds per step, peak GiB, log history)."""
+    """One ``trainer.train()`` of ``args.steps`` steps: (its StepClock, peak GiB, log history)."""
     import datasets
 
     device_kw = {} if torch.cuda.is_available() else dict(use_cpu=True)
@@ -287,10 +302,12 @@ def full_step_run(trainer_cls, config_cls, model_dir, prompts, args, out_dir, **
         model=model_dir, reward_funcs=reward, args=config, train_dataset=datasets.Dataset.from_list(rows),
         processing_class=vocab_tokenizer(task.VOCAB), callbacks=[clock],
     )  # fmt: skip
+    clock.watch(trainer)
     harness.empty_cache()
     harness.reset_peak()
     trainer.train()
-    return clock.seconds, harness.peak_allocated_gib(), [e for e in trainer.state.log_history if "loss" in e]
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return clock, harness.peak_allocated_gib(), logs
 
 
 def full_step(args) -> dict:
@@ -329,11 +346,13 @@ def full_step(args) -> dict:
             "TreeGRPOTrainer": (TreeGRPOTrainer, TreeGRPOConfig, dict(tree_generation=True)),
         }
         for name, (trainer_cls, config_cls, options) in runs.items():
-            seconds, peak, logs = full_step_run(
+            clock, peak, logs = full_step_run(
                 trainer_cls, config_cls, f"{tmp}/policy", prompts, args, f"{tmp}/{name}", **options
             )  # fmt: skip
+            seconds = clock.seconds
             row["runs"][name] = dict(
                 step_seconds=seconds,
+                generation_seconds=clock.generation_seconds,  # generation, rewards and scoring in each step
                 seconds=harness.median(seconds[args.warmup :] or seconds),
                 peak_gib=peak,
                 reward=[e.get("reward") for e in logs],
@@ -351,13 +370,14 @@ def print_full_step(row) -> None:
         [
             name,
             f"{r['seconds']:.3f}",
+            f"{harness.median(r['generation_seconds'][row['warmup'] :] or r['generation_seconds']):.3f}",
             f"{r['peak_gib']:.2f}",
             " ".join(f"{x:.2f}" for x in r["reward"] if x is not None),
         ]
         for name, r in runs.items()
     ]
     harness.print_table(
-        ["trainer", "s/step", "peak GiB", "reward per step"],
+        ["trainer", "s/step", "of it generating", "peak GiB", "reward per step"],
         table,
         title=f"{harness.device_name()}; trainer.train() steps after {row['warmup']}; speedup "
         f"{harness.cell(row.get('speedup'))}; gate {'ok' if row['gate']['ok'] else 'FAIL'}",

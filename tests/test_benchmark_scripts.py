@@ -436,6 +436,8 @@ def test_trl_full_step_gates_then_times_both_trainers(tmp_path, monkeypatch):
     row = bench_trl.full_step(args)
     assert row["gate"]["ok"] and set(row["runs"]) == {"GRPOTrainer", "TreeGRPOTrainer"}
     assert all(len(r["step_seconds"]) == 2 and len(r["reward"]) == 2 for r in row["runs"].values())
+    for r in row["runs"].values():  # each step generated once, inside the step
+        assert all(0 < g < t for g, t in zip(r["generation_seconds"], r["step_seconds"], strict=True))
     assert row["speedup"] > 0
     bench_trl.print_full_step(row)
     right = tree_trl.block_logprobs_and_entropy
