@@ -1,7 +1,8 @@
 """verl's policy update: verl's FSDP2 engine against the tree engine, inside verl's own TrainingWorker.
 
     python benchmarks/bench_verl.py [--models qwen2-0.5b qwen3-1.7b] [--prompts 4] [--group 8]
-                                    [--prompt-len 1024] [--response 1024] [--repeats 3] [--out DIR]
+                                    [--prompt-len 1024] [--response 1024] [--repeats 3]
+                                    [--fused-backend torch] [--out DIR]
 
 Runs in verl's pinned environment (``pip install -e ".[verl]"``) on one GPU, one rank. A mini-batch as
 verl's trainer hands it to ``update_policy``: ``--prompts`` prompts of ``--prompt-len`` tokens, ``--group``
@@ -9,9 +10,10 @@ responses each of R/2 to R tokens, left-padded prompts and right-padded response
 layout, random advantages and old log-probabilities; verl's PPO loss (token-mean), SGD, float32 weights,
 micro-batches of one group. A step is ``TrainingWorker.train_mini_batch`` (every micro-batch's forward,
 loss and backward, then the optimizer step). verl's engine runs with padding removal on and off (SDPA
-either way) and with verl's fused log-probability kernels (``use_fused_kernels``; without them and
-without flash-attn, verl takes a log-softmax per token in a Python loop), and the faster layout is the
-baseline; the tree engine removes padding and computes its log-probabilities chunked, as always.
+either way) and with verl's fused log-probability kernels (``use_fused_kernels``; ``--fused-backend``,
+verl's default ``torch`` or its Triton kernel: without them and without flash-attn, verl takes a
+log-softmax per token in a Python loop), and the faster layout is the baseline; the tree engine removes
+padding and computes its log-probabilities chunked, as always.
 
 Gates, before timing, each from the same weights: (1) exactness, in float32 compute: the tree engine's
 update is no farther from each of verl's two float32 updates than twice their distance from each other,
@@ -95,7 +97,10 @@ def as_fsdp2_engine(engine):
         by_device[device] = before
 
 
-def worker(path: str, tree: bool, group: int, prompts: int, param_dtype: str = "bf16", remove_padding: bool = True):
+def worker(
+    path: str, tree: bool, group: int, prompts: int, param_dtype: str = "bf16", remove_padding: bool = True,
+    fused_backend: str | None = "torch",
+):  # fmt: skip
     """verl's TrainingWorker on ``path`` with verl's FSDP2 engine or the tree engine: PPO's loss, SGD."""
     from functools import partial
 
@@ -113,9 +118,10 @@ def worker(path: str, tree: bool, group: int, prompts: int, param_dtype: str = "
 
     import dta_fast.verl.engine as tree_engines
 
-    fused = {"impl_backend": "triton" if torch.cuda.is_available() else "torch"}  # the tree engine ignores it
+    # fused_backend None: verl's log-probabilities from full logits; the tree engine computes its own either way
+    fused = dict(use_fused_kernels=fused_backend is not None, fused_kernel_options={"impl_backend": fused_backend})
     model = HFModelConfig(path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=remove_padding,
-                          use_fused_kernels=True, fused_kernel_options=fused)  # fmt: skip
+                          **fused)  # fmt: skip
     engine = FSDPEngineConfig(
         strategy="fsdp2", model_dtype="fp32", mixed_precision={"param_dtype": param_dtype}, use_torch_compile=False,
         use_dynamic_bsz=False, micro_batch_size_per_gpu=group, infer_micro_batch_size_per_gpu=group,
@@ -169,7 +175,7 @@ def run(model: str, args, directory: str, **overrides) -> dict:
                engines={})  # fmt: skip
     exact = {}
     for name, (tree, remove_padding) in ENGINES.items():  # the exactness gate, float32 compute
-        w = worker(path, tree, args.group, args.prompts, "fp32", remove_padding)
+        w = worker(path, tree, args.group, args.prompts, "fp32", remove_padding, args.fused_backend)
         exact[name] = update(w, td)
         del w
         harness.empty_cache()
@@ -178,7 +184,7 @@ def run(model: str, args, directory: str, **overrides) -> dict:
     row["exact_rel_diff"] = max(harness.relative_error(exact["tree"], exact[name]) for name in ("verl", "verl_padded"))
     drift = {}
     for name, (tree, remove_padding) in ENGINES.items():
-        w = worker(path, tree, args.group, args.prompts, args.param_dtype, remove_padding)
+        w = worker(path, tree, args.group, args.prompts, args.param_dtype, remove_padding, args.fused_backend)
         harness.reset_peak()
         seconds, step = harness.wall_seconds(lambda w=w: update(w, td))  # the gate's step, also the warm-up
         drift[name] = harness.relative_error(step, truth)
@@ -236,6 +242,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--response", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--fused-backend", default="torch", choices=["torch", "triton"], help="verl's fused kernels")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
     return p
 

@@ -1,14 +1,15 @@
 """Where verl's policy update spends its time, and how far two exact float32 updates fall apart.
 
-    python benchmarks/dev/profile_verl.py [--model qwen2-0.5b] [--prompts 4] [--skip-float32] [--out DIR]
+    python benchmarks/dev/profile_verl.py [--model qwen2-0.5b] [--prompts 4] [--skip-float32]
+                                          [--fused-backend torch] [--out DIR]
 
-bench_verl.py's mini-batch and workers. (1) float32 compute: the update of verl's engine with padding
-removal on, off, and the tree engine's, each pair's relative L2 distance: how far two exact
-computations of one update land apart on this GPU, the floor any exactness gate stands on. (2) bf16,
-after a warm-up step: one ``train_mini_batch`` of each engine under torch.profiler, its wall seconds,
-its kernels' GPU time and the ten operators that spend the most GPU time. No gate (bench_verl.py gates
-the same steps). Runs in verl's pinned environment. Writes results/profile_verl_<GPU>.json and prints
-the table last.
+bench_verl.py's mini-batch and workers (``--fused-backend none``: verl without its fused kernels).
+(1) float32 compute: the update of verl's engine with padding removal on, off, and the tree engine's,
+each pair's relative L2 distance: how far two exact computations of one update land apart on this GPU,
+the floor any exactness gate stands on. (2) bf16, after a warm-up step: one ``train_mini_batch`` of
+each engine under torch.profiler, its wall seconds, its kernels' GPU time and the ten operators that
+spend the most GPU time. No gate (bench_verl.py gates the same steps). Runs in verl's pinned
+environment. Writes results/profile_verl_<GPU>.json and prints the table last.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2-0.5b", choices=list(bench_verl.shapes.MODELS))
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--skip-float32", action="store_true", help="only the profiled bf16 steps")
+    p.add_argument("--fused-backend", default="torch", choices=["none", "torch", "triton"], help="verl's fused kernels")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
     return p
 
@@ -55,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     mine = parser().parse_args(argv)
     args, out = bench_verl.parser().parse_args(["--models", mine.model, "--prompts", str(mine.prompts)]), mine.out
+    fused = None if mine.fused_backend == "none" else mine.fused_backend
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29574", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
@@ -65,7 +68,7 @@ def main(argv=None):
         td, _, _ = bench_verl.mini_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
         updates = {}
         for name, (tree, remove_padding) in bench_verl.ENGINES.items() if not mine.skip_float32 else ():
-            w = bench_verl.worker(path, tree, args.group, args.prompts, "fp32", remove_padding)
+            w = bench_verl.worker(path, tree, args.group, args.prompts, "fp32", remove_padding, fused)
             updates[name] = bench_verl.update(w, td)
             del w
             harness.empty_cache()
@@ -74,7 +77,7 @@ def main(argv=None):
         print(row, flush=True)
         row["bf16"] = {}
         for name, (tree, remove_padding) in bench_verl.ENGINES.items():
-            w = bench_verl.worker(path, tree, args.group, args.prompts, "bf16", remove_padding)
+            w = bench_verl.worker(path, tree, args.group, args.prompts, "bf16", remove_padding, fused)
             w.train_mini_batch(td.clone())  # warm-up
             row["bf16"][name] = profiled(w, td)
             print(name, row["bf16"][name], flush=True)
