@@ -172,7 +172,7 @@ def run(model: str, args, directory: str, **overrides) -> dict:
     td, tokens, unique = mini_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
     row = dict(model=model, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
                response=args.response, tokens=tokens, unique_tokens=unique, param_dtype=args.param_dtype,
-               engines={})  # fmt: skip
+               verl_fused_backend=args.fused_backend, engines={})  # fmt: skip
     exact = {}
     for name, (tree, remove_padding) in ENGINES.items():  # the exactness gate, float32 compute
         w = worker(path, tree, args.group, args.prompts, "fp32", remove_padding, args.fused_backend)
