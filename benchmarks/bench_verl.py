@@ -97,6 +97,20 @@ def as_fsdp2_engine(engine):
         by_device[device] = before
 
 
+@contextlib.contextmanager
+def own_forward_kept(path: str):
+    """verl's fused kernels replace the forward of the model's class, for every later model of that class
+    in the process: the class gets its own back once a run's workers are done."""
+    import transformers
+
+    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])
+    forward = cls.forward
+    try:
+        yield
+    finally:
+        cls.forward = forward
+
+
 def worker(
     path: str, tree: bool, group: int, prompts: int, param_dtype: str = "bf16", remove_padding: bool = True,
     fused_backend: str | None = "torch",
@@ -168,6 +182,11 @@ ENGINES = {"verl": (False, True), "verl_padded": (False, False), "tree": (True, 
 def run(model: str, args, directory: str, **overrides) -> dict:
     """One model's row: the float32 gate, then each engine's bf16 gate step and timed steps."""
     path = checkpoint(model, os.path.join(directory, model), **overrides)
+    with own_forward_kept(path):
+        return _row(model, path, args, overrides)
+
+
+def _row(model: str, path: str, args, overrides) -> dict:
     vocab = overrides.get("vocab_size", shapes.MODELS[model].vocab_size)
     td, tokens, unique = mini_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
     row = dict(model=model, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,

@@ -538,3 +538,25 @@ def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_verl, "update", bf16_tree_off)
     row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "c"), **tiny)
     assert row["exact_rel_diff"] < 1e-4 and not row["gate_ok"] and "speedup" not in row
+
+
+def test_the_verl_profile_measures_every_engine(tmp_path):
+    """benchmarks/dev/profile_verl.py on a tiny Qwen2: verl's two layouts and the tree in float32 lie as
+    near each other as exact updates do, and each engine's bf16 step is profiled, with verl's fused
+    kernels and without them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_verl
+    from dev import profile_verl
+
+    args = bench_verl.parser().parse_args(["--prompts", "2", "--group", "4", "--prompt-len", "6", "--response", "6"])
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)  # fmt: skip
+    for fused in ("torch", None):
+        row = profile_verl.run(args, fused, False, str(tmp_path / str(fused)), **tiny)
+        assert set(row["float32_rel_diff"]) == {"verl~verl_padded", "tree~verl", "tree~verl_padded"}
+        assert all(d < 1e-4 for d in row["float32_rel_diff"].values())
+        assert set(row["bf16"]) == set(bench_verl.ENGINES) and all(r["seconds"] > 0 for r in row["bf16"].values())
+    profile_verl.print_table(row)
