@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from dta_ref.attention import masked_attend
+from dta_ref.attention import mask_from_subtree_end, masked_attend
 
 ATTENTION_IMPLS = ("auto", "kernel", "reference")
 TRITON_MISSING = (
@@ -68,3 +69,35 @@ def tree_attend(subtree_end: torch.Tensor, num_queries: int, kernel: bool, posit
     num_keys = subtree_end.shape[-1]
     return masked_attend(subtree_end, torch.arange(num_keys - num_queries, num_keys, device=subtree_end.device),
                          position_ids)  # fmt: skip
+
+
+def sdpa_attend(subtree_end: torch.Tensor, num_queries: int, position_ids, fallback: Callable[[], Attend]) -> Attend:
+    """``attend`` as :func:`tree_attend` gives it, through SDPA's fused kernels with the tree's mask (dta_ref's
+    predicate) as an additive bias, one per window and dtype, built once: a call of one SDPA launch, for
+    the KV-cached sampler's decode steps, whose host time a tree kernel's isolation passes would triple.
+    Exact where every key a query does not see is finite or a copy of one it sees (SDPA multiplies masked
+    values by zero, and 0 * NaN leaks; tree attention isolates them). A GQA group's query heads are
+    folded into its query rows, so every SDPA backend takes the call without copying K and V. Sinks and
+    softcaps, which SDPA does not compute, go to ``fallback()``'s attend, built on the first such call."""
+    num_keys = subtree_end.shape[-1]
+    query_index = torch.arange(num_keys - num_queries, num_keys, device=subtree_end.device)
+    biases, others = {}, []
+
+    def attend(layer, q, k, v, scale, window=None, sinks=None, softcap=None):
+        if sinks is not None or softcap is not None:
+            if not others:
+                others.append(fallback())
+            return others[0](layer, q, k, v, scale, window=window, sinks=sinks, softcap=softcap)
+        B, Hq, Tq, D = q.shape
+        Hkv = k.shape[1]
+        group = Hq // Hkv
+        if (window, q.dtype) not in biases:
+            mask = mask_from_subtree_end(subtree_end, query_index, position_ids, window)
+            mask = mask.reshape(-1, 1, *mask.shape[-2:]).repeat(1, 1, group, 1)  # rows (g, t) of the folded heads
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            biases[window, q.dtype] = bias.masked_fill(~mask, -torch.inf)
+        folded = q.reshape(B, Hkv, group * Tq, D)  # query head h = kv head h // group, as the kernels take it
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=biases[window, q.dtype], scale=scale)
+        return out.reshape(B, Hq, Tq, v.shape[-1])
+
+    return attend

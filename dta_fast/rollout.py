@@ -21,7 +21,11 @@ the ``attend`` closure keeps the KV cache per layer:
   cache itself is never copied, except to drop finished rows.
 
 On a CUDA device the attention is the Triton kernel, elsewhere dta_ref's
-explicit-mask attention on the same subtree ends (dta_fast.dispatch). Draft sizes adapt per
+explicit-mask attention on the same subtree ends (dta_fast.dispatch); a decode
+step (one query per row) of a run that has verified no draft goes through SDPA
+with the same mask (dta_fast.dispatch.sdpa_attend): there every key a row does
+not see is zero, a copy of one it sees or the prompt step's padding (token 0),
+so nothing needs isolating. Draft sizes adapt per
 sequence (dta_ref.rollout.cache.DraftBudget). Supported models: dta_ref.Decoder and
 Hugging Face Llama / Qwen2 / Qwen3. Inference only (no gradients).
 """
@@ -47,7 +51,7 @@ from dta_ref.rollout.sampling import (
 )
 from dta_ref.rollout.speculative import SpeculativeRun, check_speculative_args
 
-from .dispatch import tree_attend, uses_kernel
+from .dispatch import sdpa_attend, tree_attend, uses_kernel
 from .linear_attention import CachedLinearMixing
 
 ALIGN = 16
@@ -82,6 +86,8 @@ class KVEngine:
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, capacity, D]
         self.values: dict[int, torch.Tensor] = {}
         self.lengths = [0] * len(prompts)  # cached tokens per row
+        # whether a step has verified a draft: its rejected tokens' K/V stay in the buffers, unseen
+        self.drafted = False
         self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
         self.linear = self._linear_states()  # linear-attention layers' states per row, or None
 
@@ -154,7 +160,13 @@ class KVEngine:
         ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
         depths_t = torch.from_numpy(depths).to(self.device, non_blocking=True)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        attend_tree = tree_attend(ends_t, Tq, kernel, depths_t)
+        self.drafted = self.drafted or any(len(d) for d in drafts)
+        if Tq == 1 and not self.drafted:
+            # a decode step: the keys a row does not see are zeros, copies of its own or the prompt step's
+            # padding, all finite, so SDPA with the tree's mask computes it exactly, at one launch a layer
+            attend_tree = sdpa_attend(ends_t, Tq, depths_t, lambda: tree_attend(ends_t, Tq, kernel, depths_t))
+        else:
+            attend_tree = tree_attend(ends_t, Tq, kernel, depths_t)
 
         def attend(layer, q, k, v, scale, **variant):
             K, V = self._buffer(layer, k, v)

@@ -311,6 +311,52 @@ def test_twins_agree_decoder(model):
     )
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_decode_steps_attend_as_the_tree_mask_says(window):
+    """The decode route (SDPA with the tree's mask) computes dta_ref's masked attention on a cached batch
+    (ragged rows, an unused gap, GQA, a window); sinks and softcaps go to the fallback, built once."""
+    from dta_fast.dispatch import sdpa_attend
+    from dta_ref.attention import masked_attend
+
+    g = torch.Generator().manual_seed(0)
+    B, W, Tq, Hq, Hkv, D = 3, 12, 1, 4, 2, 8
+    ends = torch.arange(1, W + 1).repeat(B, 1)  # the gap: seen by nobody
+    depths = torch.zeros(B, W, dtype=torch.long)
+    for b, n in enumerate((9, 4, 0)):  # cached tokens per row, then the row's new token at W - 1
+        ends[b, :n] = W
+        depths[b, :n] = torch.arange(n)
+        depths[b, W - 1] = n
+    q, k, v = (torch.randn(B, h, t, D, dtype=torch.float64, generator=g) for h, t in ((Hq, Tq), (Hkv, W), (Hkv, W)))
+    want = masked_attend(ends, torch.arange(W - Tq, W), depths)
+    built = []
+
+    def fallback():
+        built.append(1)
+        return want
+
+    got = sdpa_attend(ends, Tq, depths, fallback)
+    torch.testing.assert_close(got(0, q, k, v, 0.3, window=window), want(0, q, k, v, 0.3, window=window))
+    sinks = torch.randn(Hq, dtype=torch.float64, generator=g)
+    for _ in range(2):
+        torch.testing.assert_close(got(1, q, k, v, 0.3, window=window, sinks=sinks),
+                                   want(1, q, k, v, 0.3, window=window, sinks=sinks))  # fmt: skip
+    assert built == [1]
+
+
+def test_plain_decode_steps_take_the_sdpa_route(model, monkeypatch):
+    """Plain sampling's decode steps run through SDPA; a run that has verified a draft keeps the tree
+    attention (its rejected drafts' K/V stay in the buffers, unseen, where SDPA could not isolate them)."""
+    routed = []
+    original = fast_rollout.sdpa_attend
+    monkeypatch.setattr(fast_rollout, "sdpa_attend", lambda *a: routed.append(1) or original(*a))
+    out = dta_fast.sample(model, PROMPTS, 6, generator=gen(6))
+    assert len(routed) == out.stats["verify_steps"] - 1  # all but the prompts' step
+    base = dta_fast.sample(model, PROMPTS, 10, generator=gen(4))
+    routed.clear()
+    spec = dta_fast.speculative_sample(model, PROMPTS, 10, cache=cache_of(PROMPTS, base.completions), generator=gen(5))
+    assert spec.stats["accepted_tokens"] > 0 and not routed
+
+
 def test_empty_cache_speculative_equals_plain(model):
     """No drafts: the speculative samplers draw exactly like plain sampling, token for token."""
     plain = dta_ref.sample(model, PROMPTS, 8, generator=gen(7), top_k=10)
