@@ -163,7 +163,8 @@ class KVEngine:
         self.drafted = self.drafted or any(len(d) for d in drafts)
         if Tq == 1 and not self.drafted:
             # a decode step: the keys a row does not see are zeros, copies of its own or the prompt step's
-            # padding, all finite, so SDPA with the tree's mask computes it exactly, at one launch a layer
+            # padding (finite where the model's K/V are), so SDPA with the tree's mask computes it exactly,
+            # at one launch a layer
             attend_tree = sdpa_attend(ends_t, Tq, depths_t, lambda: tree_attend(ends_t, Tq, kernel, depths_t))
         else:
             attend_tree = tree_attend(ends_t, Tq, kernel, depths_t)
