@@ -579,7 +579,8 @@ def test_rollout_profile_runs_both_samplers_on_the_cpu(tmp_path, monkeypatch, ca
     import profile_rollout
 
     monkeypatch.setattr(bench_rollout, "DEVICE", "cpu")
-    profile_rollout.main(["--rows", "2", "--prompt", "8", "--new-tokens", "4", "--out", str(tmp_path)])
+    args = ["--rows", "2", "--prompt", "8", "--new-tokens", "4", "--profiled-steps", "4", "--out", str(tmp_path)]
+    profile_rollout.main(args)
     _, rows = harness.read_results(next(tmp_path.iterdir()))
     assert [r["method"] for r in rows] == ["dta_fast.sample", "generate"]
     assert all(r["ms_per_step"] > 0 and r["top_host"] for r in rows)

@@ -5,7 +5,7 @@
 bench_rollout.py's random-weight policy (shapes.MODELS["llama-24m"], bf16, eval), ``--rows`` rows of
 one ``--prompt``-token prompt, plain sampling at temperature 1 with no end token, so every row makes
 every token. Per method and length, after a warm-up run: wall ms per generated token step (median of
-3 runs) and one run of 32 new tokens under torch.profiler: per step, the GPU time of its kernels, its
+3 runs) and one run of ``--profiled-steps`` new tokens under torch.profiler: per step, the GPU time of its kernels, its
 kernel launches, and the host operators that take the most time. A step whose wall time is far above
 its GPU time is host-bound: its GPU waits on Python. No gate (the samplers' draws are tested against
 dta_ref's in the test suite; bench_rollout.py gates the policy). Writes results/profile_rollout_<GPU>.json
@@ -29,8 +29,6 @@ import harness  # noqa: E402
 
 import dta_fast  # noqa: E402
 
-PROFILED_STEPS = 32
-
 
 def methods(model, prompts):
     """name -> run(new_tokens): the two samplers on the same rows."""
@@ -45,18 +43,18 @@ def methods(model, prompts):
     return {"dta_fast.sample": ours, "generate": generate}
 
 
-def profiled(run) -> dict:
-    """Per step of a ``PROFILED_STEPS``-token run under torch.profiler: GPU ms, launches, top host ops."""
+def profiled(run, steps: int) -> dict:
+    """Per step of a ``steps``-token run under torch.profiler: GPU ms, launches, top host ops."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        run(PROFILED_STEPS)
+        run(steps)
         harness.sync()
     averages = prof.key_averages()
     gpu_ms, launches = harness.gpu_ms_and_launches(averages)
     host = [e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and e.key not in harness.LAUNCHES]
     host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    top = [dict(name=e.key[:80], ms_per_step=e.self_cpu_time_total / 1e3 / PROFILED_STEPS) for e in host[:8]]
-    return dict(gpu_ms_per_step=gpu_ms / PROFILED_STEPS, launches_per_step=launches / PROFILED_STEPS, top_host=top)
+    top = [dict(name=e.key[:80], ms_per_step=e.self_cpu_time_total / 1e3 / steps) for e in host[:8]]
+    return dict(gpu_ms_per_step=gpu_ms / steps, launches_per_step=launches / steps, top_host=top)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 128])
+    p.add_argument("--profiled-steps", type=int, default=32, help="new tokens of the profiled run")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
     return p
 
@@ -80,8 +79,9 @@ def main(argv=None):
         for new_tokens in args.new_tokens:
             run(new_tokens)
             seconds = [harness.wall_seconds(lambda r=run, n=new_tokens: r(n))[0] for _ in range(3)]
-            row = dict(method=name, rows=args.rows, prompt=args.prompt, new_tokens=new_tokens,
-                       ms_per_step=1e3 * harness.median(seconds) / new_tokens, **profiled(run))  # fmt: skip
+            per_step = 1e3 * harness.median(seconds) / new_tokens
+            row = dict(method=name, rows=args.rows, prompt=args.prompt, new_tokens=new_tokens, ms_per_step=per_step,
+                       **profiled(run, args.profiled_steps))  # fmt: skip
             print(row, flush=True)
             rows.append(row)
     key = lambda r: (r["method"], r["rows"], r["prompt"], r["new_tokens"])  # noqa: E731
