@@ -73,8 +73,8 @@ def tree_attend(subtree_end: torch.Tensor, num_queries: int, kernel: bool, posit
 
 def sdpa_attend(subtree_end: torch.Tensor, num_queries: int, position_ids, fallback: Callable[[], Attend]) -> Attend:
     """``attend`` as :func:`tree_attend` gives it, through SDPA's fused kernels with the tree's mask (dta_ref's
-    predicate) as an additive bias, one per window and dtype, built once: a call of one SDPA launch, for
-    the KV-cached sampler's decode steps, whose host time a tree kernel's isolation passes would triple.
+    predicate) as an additive bias, one per window and dtype, built once: one launch a call where the
+    tree kernel takes three (its isolation passes), for the KV-cached sampler's decode steps.
     Exact where every key a query does not see is finite or a copy of one it sees (SDPA multiplies masked
     values by zero, and 0 * NaN leaks; tree attention isolates them). A GQA group's query heads are
     folded into its query rows, so every SDPA backend takes the call without copying K and V. Sinks and
