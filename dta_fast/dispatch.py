@@ -4,7 +4,9 @@
 (``dta_ref.attention``: the same numbers at reference speed and O(T^2) memory) on any other device.
 ``"kernel"`` asks for the kernel anywhere it can run (on CPU under ``TRITON_INTERPRET=1``, as the test
 suite does); ``"reference"`` for the reference. Importing dta_fast needs no Triton; asking for a
-kernel without it raises an ImportError that names the extra to install.
+kernel without it raises an ImportError that names the extra to install. One exception, for the
+KV-cached sampler: :func:`sdpa_attend` runs a decode step's one-query calls through SDPA with the same
+mask, where no key a query does not see can be non-finite.
 """
 
 from __future__ import annotations
