@@ -5,8 +5,9 @@
 ``"kernel"`` asks for the kernel anywhere it can run (on CPU under ``TRITON_INTERPRET=1``, as the test
 suite does); ``"reference"`` for the reference. Importing dta_fast needs no Triton; asking for a
 kernel without it raises an ImportError that names the extra to install. One exception, for the
-KV-cached sampler: :func:`sdpa_attend` runs a decode step's one-query calls through SDPA with the same
-mask, where no key a query does not see can be non-finite.
+KV-cached sampler: :func:`sdpa_attend` runs a hybrid model's decode steps (one query a row) through
+SDPA with the same mask, where no key a query does not see can be non-finite (other models' decode
+steps: ``dta_fast.decode``).
 """
 
 from __future__ import annotations

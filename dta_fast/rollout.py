@@ -21,11 +21,12 @@ the ``attend`` closure keeps the KV cache per layer:
   cache itself is never copied, except to drop finished rows.
 
 On a CUDA device the attention is the Triton kernel, elsewhere dta_ref's
-explicit-mask attention on the same subtree ends (dta_fast.dispatch); a decode
-step (one query per row) of a run that has verified no draft goes through SDPA
-with the same mask (dta_fast.dispatch.sdpa_attend): there every key a row does
-not see is zero, a copy of one it sees or the prompt step's padding (token 0),
-so nothing needs isolating. Draft sizes adapt per
+explicit-mask attention on the same subtree ends (dta_fast.dispatch). A decode
+step (one query per row) of a run that has verified no draft is a fixed-shape
+step, replayed from a CUDA graph on CUDA (dta_fast.decode); a hybrid's goes
+through SDPA with the same mask (dta_fast.dispatch.sdpa_attend): there every
+key a row does not see is zero, a copy of one it sees or the prompt step's
+padding (token 0), so nothing needs isolating. Draft sizes adapt per
 sequence (dta_ref.rollout.cache.DraftBudget). Supported models: dta_ref.Decoder and
 Hugging Face Llama / Qwen2 / Qwen3. Inference only (no gradients).
 """
@@ -51,6 +52,7 @@ from dta_ref.rollout.sampling import (
 )
 from dta_ref.rollout.speculative import SpeculativeRun, check_speculative_args
 
+from .decode import DecodeSteps
 from .dispatch import sdpa_attend, tree_attend, uses_kernel
 from .linear_attention import CachedLinearMixing
 
@@ -72,6 +74,7 @@ class Verified:
     window_start: int  # q0: the step's new tokens sit at [q0, W) of every row
     pending: list[int]  # pending tokens per row, before the draft's
     queries: int  # Tq: the step's tokens per row, padding included
+    in_place: bool = False  # a fixed-shape decode step wrote each row's K/V at its length already
 
 
 class KVEngine:
@@ -90,6 +93,7 @@ class KVEngine:
         self.drafted = False
         self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
         self.linear = self._linear_states()  # linear-attention layers' states per row, or None
+        self.decode: DecodeSteps | None = None  # plain decode steps at fixed shapes (set by _generate)
 
     def _linear_states(self) -> CachedLinearMixing | None:
         core = self.adapter.core if self.adapter.is_hf else None
@@ -110,6 +114,8 @@ class KVEngine:
             raise RuntimeError(f"KV window of {window} tokens past the most a run needs, {self.most}")
         self.capacity = min(max(window, 2 * self.capacity), self.most)
         cached = max(self.lengths)  # every row's tokens past this are unused (zeros, masked)
+        if self.decode is not None:
+            self.decode.reset()
         for buffers in (self.keys, self.values):
             for layer, old in buffers.items():
                 buffers[layer] = old.new_zeros(*old.shape[:2], self.capacity, old.shape[3])
@@ -119,6 +125,17 @@ class KVEngine:
         """One forward over each row's pending tokens + draft tree; the draws at each row's decision points
         (draw 0 after the last pending token, then one at each draft node)."""
         B = len(drafts)
+        self.drafted = self.drafted or any(len(d) for d in drafts)
+        if (
+            self.decode is not None and self.decode.usable and self.keys and not self.drafted
+            and all(len(p) == 1 for p in self.pending)
+        ):  # fmt: skip
+            if max(self.lengths) + 1 > self.capacity:
+                self.grow(_round_up(max(self.lengths) + 1, ALIGN))
+            drawn = self.decode([p[0] for p in self.pending], self.lengths, uniforms)
+            if drawn is not None:
+                tokens, logp = drawn[0].long().tolist(), drawn[1].tolist()
+                return Verified([[t] for t in tokens], [[x] for x in logp], -1, [1] * B, 1, in_place=True)
         P = [len(p) for p in self.pending]
         q_len = [p + len(d) for p, d in zip(P, drafts)]
         # Triton specialises integer arguments on ==1 and on divisibility by 16: rounding the query
@@ -160,7 +177,6 @@ class KVEngine:
         ends_t = torch.from_numpy(ends).to(self.device, non_blocking=True)
         depths_t = torch.from_numpy(depths).to(self.device, non_blocking=True)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.drafted = self.drafted or any(len(d) for d in drafts)
         if Tq == 1 and not self.drafted:
             # a decode step: the keys a row does not see are zeros, copies of its own or the prompt step's
             # padding (finite where the model's K/V are), so SDPA with the tree's mask computes it exactly,
@@ -202,7 +218,7 @@ class KVEngine:
             dst += range(n, n + len(local))
             self.lengths[b] = n + len(local)
             self.pending[b] = [w.tokens[-1]]
-        if b_idx:
+        if b_idx and not verified.in_place:
             b_t, src_t, dst_t = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (b_idx, src, dst))
             for layer in self.keys:
                 for buf in (self.keys[layer], self.values[layer]):
@@ -213,6 +229,8 @@ class KVEngine:
             for layer in self.keys:
                 self.keys[layer] = self.keys[layer].index_select(0, rows_t)
                 self.values[layer] = self.values[layer].index_select(0, rows_t)
+            if self.decode is not None:
+                self.decode.reset()
             self.lengths = [self.lengths[b] for b in rows]
             self.pending = [self.pending[b] for b in rows]
         if self.linear is not None:
@@ -227,6 +245,8 @@ def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draf
     # never runs past the tokens left to generate
     most = _round_up(longest + max_new_tokens + max(longest, min(max_draft_tokens, max_new_tokens) + 1), ALIGN)
     engine = KVEngine(model, prompts, _round_up(longest + FIRST_NEW_TOKENS, ALIGN), most + 2 * ALIGN)
+    if engine.linear is None:  # a hybrid's decode steps carry its linear layers' states: the general step
+        engine.decode = DecodeSteps(engine, params)
     active = run.active()
     with progress_bar(progress, len(prompts) * max_new_tokens) as bar:
         while active:

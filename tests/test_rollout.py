@@ -11,8 +11,9 @@ import torch
 import dta_fast
 import dta_fast.rollout as fast_rollout
 import dta_ref
+from dta_fast.decode import DecodeSteps
 from dta_ref.rollout import DraftTree, SamplingParams, context_logits, sampling_probs, walk
-from tests.helpers import assert_close_report, tiny_decoder, tiny_hf_model
+from tests.helpers import assert_close_report, tiny_decoder, tiny_family_model, tiny_hf_model
 
 SPECULATIVE = {"ref": dta_ref.speculative_sample, "fast": dta_fast.speculative_sample}
 PLAIN = {"ref": dta_ref.sample, "fast": dta_fast.sample}
@@ -343,18 +344,52 @@ def test_decode_steps_attend_as_the_tree_mask_says(window):
     assert built == [1]
 
 
-def test_plain_decode_steps_take_the_sdpa_route(model, monkeypatch):
-    """Plain sampling's decode steps run through SDPA; a run that has verified a draft keeps the tree
-    attention (its rejected drafts' K/V stay in the buffers, unseen, where SDPA could not isolate them)."""
+def _spy_decode_steps(monkeypatch):
+    """The results of every fixed-shape decode step (None: the model's attention sent it back)."""
+    served = []
+    original = DecodeSteps.__call__
+
+    def spy(self, *args):
+        served.append(original(self, *args))
+        return served[-1]
+
+    monkeypatch.setattr(DecodeSteps, "__call__", spy)
+    return served
+
+
+def test_plain_decode_steps_run_at_fixed_shapes(model, monkeypatch):
+    """Plain sampling's decode steps run as fixed-shape steps, their K/V written in place (nothing moves
+    after them), through rows of different lengths and rows finishing; the draws are dta_ref's. A run
+    that has verified a draft keeps the tree attention; a model whose attention has sinks sends its
+    first decode step back and takes the SDPA route with its fallback from then on."""
+    served = _spy_decode_steps(monkeypatch)
+    moved = []  # per step: whether its K/V move after the step
+    commit = fast_rollout.KVEngine.commit
+
+    def spy(self, verified, *args):
+        moved.append(not verified.in_place)
+        return commit(self, verified, *args)
+
+    monkeypatch.setattr(fast_rollout.KVEngine, "commit", spy)
+    out = dta_fast.sample(model, PROMPTS, 6, generator=gen(6))
+    assert len(served) == out.stats["verify_steps"] - 1 and all(s is not None for s in served)
+    assert moved == [True] + [False] * (out.stats["verify_steps"] - 1)
+    eos = out.completions[0][1]  # a token the rows draw: they finish at different steps
+    served.clear()
+    kw = dict(temperature=0.9, eos_token_id=eos)
+    ref, fast = (s(model, PROMPTS * 3, 12, generator=gen(2), **kw) for s in (dta_ref.sample, dta_fast.sample))
+    _assert_twins(ref, fast)
+    assert len({len(c) for c in fast.completions}) > 1 and len(served) == fast.stats["verify_steps"] - 1
+    base = dta_fast.sample(model, PROMPTS, 10, generator=gen(4))
+    served.clear()
+    spec = dta_fast.speculative_sample(model, PROMPTS, 10, cache=cache_of(PROMPTS, base.completions), generator=gen(5))
+    assert spec.stats["accepted_tokens"] > 0 and not served
     routed = []
     original = fast_rollout.sdpa_attend
     monkeypatch.setattr(fast_rollout, "sdpa_attend", lambda *a: routed.append(1) or original(*a))
-    out = dta_fast.sample(model, PROMPTS, 6, generator=gen(6))
-    assert len(routed) == out.stats["verify_steps"] - 1  # all but the prompts' step
-    base = dta_fast.sample(model, PROMPTS, 10, generator=gen(4))
-    routed.clear()
-    spec = dta_fast.speculative_sample(model, PROMPTS, 10, cache=cache_of(PROMPTS, base.completions), generator=gen(5))
-    assert spec.stats["accepted_tokens"] > 0 and not routed
+    sinks = tiny_family_model("gpt-oss", torch.float64)
+    out = dta_fast.sample(sinks, [[3, 1, 4], [1, 5]], 5, generator=gen(1))
+    assert served == [None] and len(routed) == out.stats["verify_steps"] - 1
 
 
 def test_empty_cache_speculative_equals_plain(model):
@@ -742,3 +777,63 @@ def test_cuda_engine_with_the_kernel(dtype, first_new_tokens, monkeypatch):
     tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: the verify forward and the flat one round differently
     for i, (p, c) in enumerate(zip(prompts, out.completions)):
         assert_close_report(out.logprobs[i], flat[i, len(p) - 1 : len(p) - 1 + len(c)].cpu(), tol, tol, f"seq {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_decode_steps_replay_from_graphs(dtype, monkeypatch):
+    """On CUDA plain decode steps are captured as CUDA graphs and replayed: the same tokens and bitwise the
+    same logprobs as the eager steps, through buffers that grow and rows that finish (each a new shape,
+    captured anew); in float32 greedy draws are dta_ref's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import dta_fast.decode as decode
+
+    monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", 4)  # the buffers grow during the run
+    engines = []
+    init = DecodeSteps.__init__
+
+    def spy(self, *args):
+        init(self, *args)
+        engines.append(self)
+
+    monkeypatch.setattr(DecodeSteps, "__init__", spy)
+    model = tiny_hf_model("llama", torch.float32).cuda()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]] * 3
+    if dtype == torch.float32:
+        want = dta_ref.sample(model, prompts, 24, temperature=0).completions
+        assert dta_fast.sample(model, prompts, 24, temperature=0).completions == want
+        assert engines[-1].replays > 0
+    model = model.to(dtype)
+    runs = []
+    for graphs in (True, False):
+        monkeypatch.setattr(decode, "CUDA_GRAPHS", graphs)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        runs.append(dta_fast.sample(model, prompts, 48, temperature=0.9, eos_token_id=7, generator=g))
+        assert (engines[-1].replays > 0) == graphs
+    replayed, eager = runs
+    assert replayed.completions == eager.completions
+    assert len({len(c) for c in eager.completions}) > 1  # rows finished at different steps
+    for x, y in zip(replayed.logprobs, eager.logprobs, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mistral", "qwen3-moe", "gpt-oss"])
+def test_cuda_decode_graphs_of_the_families(family, monkeypatch):
+    """A sliding window in the replayed steps, a MoE model (replayed, or eager where its step cannot be
+    captured) and a model with sinks (the tree attention's steps): the same draws with graphs as without."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import dta_fast.decode as decode
+
+    model = tiny_family_model(family, torch.float32).cuda()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]] * 2
+    runs = []
+    for graphs in (True, False):
+        monkeypatch.setattr(decode, "CUDA_GRAPHS", graphs)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        runs.append(dta_fast.sample(model, prompts, 40, generator=g))
+    assert runs[0].completions == runs[1].completions
+    for x, y in zip(runs[0].logprobs, runs[1].logprobs, strict=True):
+        assert torch.equal(x, y)

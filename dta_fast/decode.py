@@ -1,0 +1,137 @@
+"""Plain decode steps at fixed shapes, replayed from CUDA graphs on CUDA.
+
+A decode step of a run that has verified no draft (plain sampling after the prompts' step) is the same
+computation every step but for three inputs: the rows' tokens, their cached lengths and the step's
+uniforms. A row's cache holds its tokens at their positions, ``[0, length)``, so the new token's slot and
+position are both its row's length. With those inputs in device buffers, the new K/V written in place
+(a scatter at each row's length) and the keys read over a fixed range (the lengths rounded up to
+``KEY_BUCKET``), no shape and no Python branch of the step changes from one step to the next: on CUDA the
+step is captured once per (rows, keys) as a CUDA graph and replayed, costing the host one launch where
+the eager step costs it every operator of the model (the sampler is host-bound at RL sizes:
+docs/rollout.md). Elsewhere, or where a capture fails (a model whose step syncs with the host), the same
+step runs eagerly. Its attention is SDPA with the tree's mask of a single path (every key at or before a
+row's length, within a sliding window), exact since every key past a row's length is zero or the prompt
+step's padding; a model whose attention has sinks or softcaps, which SDPA does not compute, leaves the
+decode step to the engine's tree attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dta_ref.attention import tree_mask
+from dta_ref.rollout.sampling import draw, sampling_probs
+
+KEY_BUCKET = 256  # a replayed step attends over its rows' lengths rounded up to this: a graph per 256 keys
+CUDA_GRAPHS = True  # capture the steps on CUDA (off: every step eager, the same numbers)
+
+
+class _NotPlain(Exception):
+    """A layer's attention has sinks or a softcap: the step is left to the tree attention."""
+
+
+class _Step:
+    """One decode step's fixed-shape inputs, outputs and (once captured) CUDA graph."""
+
+    def __init__(self, rows: int, keys: int, greedy: bool, device):
+        self.keys = keys
+        self.inputs = torch.zeros(2, rows, dtype=torch.long, device=device)  # the rows' tokens, lengths
+        self.uniforms = None if greedy else torch.zeros(rows, dtype=torch.float64, device=device)
+        self.outputs = torch.zeros(2, rows, dtype=torch.float64, device=device)  # tokens drawn, their logprobs
+        self.graph = None
+        self.eager_runs = 0
+
+
+class DecodeSteps:
+    """The fixed-shape decode steps of one KV engine (``dta_fast.rollout.KVEngine``): its adapter, head and
+    per-layer buffers ``keys`` / ``values`` [B, Hkv, L, D], read at each step. :meth:`reset` whenever the
+    engine replaces its buffers (grown, rows dropped): a graph writes to the buffers it was captured with."""
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+        self.usable = True  # False once a layer turns out to need sinks or a softcap
+        self.capture = CUDA_GRAPHS and engine.device.type == "cuda"
+        self.steps: dict[tuple[int, int], _Step] = {}
+        self.pool = None  # one memory pool for every graph of the run
+        self.stream = None
+        self.replays = 0
+
+    def reset(self) -> None:
+        self.steps.clear()
+
+    def __call__(self, tokens: list[int], lengths: list[int], uniforms) -> torch.Tensor | None:
+        """float64 [2, rows] on the host: each row's drawn token and its log-probability, its K/V written at
+        its length; None if the model's attention has sinks or softcaps (nothing is drawn then)."""
+        engine = self.engine
+        bucket = KEY_BUCKET if self.capture else 16  # eager: about the keys the rows hold
+        keys = min(-(-(max(lengths) + 1) // bucket) * bucket, engine.capacity)
+        step = self.steps.get((len(tokens), keys))
+        if step is None:
+            step = self.steps[len(tokens), keys] = _Step(len(tokens), keys, uniforms is None, engine.device)
+        step.inputs.copy_(torch.tensor([tokens, lengths]))  # one copy to the device
+        if uniforms is not None:
+            step.uniforms.copy_(uniforms)
+        if step.graph is not None:
+            step.graph.replay()
+            self.replays += 1
+        elif self.capture and step.eager_runs:  # warmed up on the default stream: capture the next call
+            self._capture(step)
+        else:
+            try:
+                self._body(step)
+            except _NotPlain:
+                self.usable = False
+                return None
+            step.eager_runs += 1
+        return step.outputs.cpu()
+
+    def _capture(self, step: _Step) -> None:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):  # this call's draws: a warm-up on the capture's stream
+            self._body(step)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self._body(step)
+        except Exception:  # the model's step syncs with the host somewhere: eager from now on, same numbers
+            self.capture = False
+            return
+        self.pool = graph.pool()
+        step.graph = graph
+
+    def _body(self, step: _Step) -> None:
+        engine, keys = self.engine, step.keys
+        tokens, lengths = step.inputs
+        device = tokens.device
+        key_index = torch.arange(keys, device=device)
+        path_end = torch.full((keys,), keys, device=device)  # a row's cache is one path: seen by every later token
+        biases, slots = {}, {}  # built once a step: per window, per K/V shape
+
+        def attend(layer, q, k, v, scale, window=None, sinks=None, softcap=None):
+            if sinks is not None or softcap is not None:
+                raise _NotPlain
+            K, V = engine.keys[layer], engine.values[layer]
+            for x in (k, v):
+                if x.shape not in slots:
+                    slots[x.shape] = lengths.view(-1, 1, 1, 1).expand(x.shape)
+            K.scatter_(2, slots[k.shape], k)
+            V.scatter_(2, slots[v.shape], v)
+            if (window, q.dtype) not in biases:  # tree_mask's rule, each row's query at its length
+                seen = tree_mask(lengths[:, None], key_index, path_end, key_index, window)  # [rows, keys]
+                bias = torch.zeros(seen.shape, dtype=q.dtype, device=device).masked_fill(~seen, -torch.inf)
+                biases[window, q.dtype] = bias[:, None, None]
+            B, Hq, _, D = q.shape
+            folded = q.reshape(B, k.shape[1], Hq // k.shape[1], D)  # a GQA group's heads as its query rows
+            out = F.scaled_dot_product_attention(
+                folded, K[:, :, :keys], V[:, :, :keys], attn_mask=biases[window, q.dtype], scale=scale
+            )
+            return out.reshape(B, Hq, 1, V.shape[-1])
+
+        hidden = engine.adapter.hidden_states(tokens[:, None], lengths[:, None], attend)
+        drawn, logp = draw(sampling_probs(engine.head(hidden[:, 0]), self.params), step.uniforms)
+        step.outputs[0].copy_(drawn)
+        step.outputs[1].copy_(logp)
