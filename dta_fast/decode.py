@@ -60,9 +60,10 @@ class DecodeSteps:
     def reset(self) -> None:
         self.steps.clear()
 
-    def __call__(self, tokens: list[int], lengths: list[int], uniforms) -> torch.Tensor | None:
-        """float64 [2, rows] on the host: each row's drawn token and its log-probability, its K/V written at
-        its length; None if the model's attention has sinks or softcaps (nothing is drawn then)."""
+    def __call__(self, tokens: list[int], lengths: list[int], uniforms, live: list[int]) -> torch.Tensor | None:
+        """float64 [2, rows] on the host: each buffer row's drawn token and its log-probability, its K/V
+        written at its length; None if the model's attention has sinks or softcaps (nothing is drawn then).
+        ``uniforms``: one per ``live`` row (the unfinished ones), in order; a finished row draws from 0."""
         engine = self.engine
         bucket = KEY_BUCKET if self.capture else 16  # eager: about the keys the rows hold
         keys = min(-(-(max(lengths) + 1) // bucket) * bucket, engine.capacity)
@@ -70,8 +71,10 @@ class DecodeSteps:
         if step is None:
             step = self.steps[len(tokens), keys] = _Step(len(tokens), keys, uniforms is None, engine.device)
         step.inputs.copy_(torch.tensor([tokens, lengths]))  # one copy to the device
-        if uniforms is not None:
+        if uniforms is not None and len(live) == len(tokens):
             step.uniforms.copy_(uniforms)
+        elif uniforms is not None:
+            step.uniforms.zero_().index_copy_(0, torch.tensor(live, device=uniforms.device), uniforms)
         if step.graph is not None:
             step.graph.replay()
             self.replays += 1

@@ -89,6 +89,9 @@ class KVEngine:
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, capacity, D]
         self.values: dict[int, torch.Tensor] = {}
         self.lengths = [0] * len(prompts)  # cached tokens per row
+        # the buffer row of each unfinished sequence, in order: fixed-shape decode steps keep finished rows
+        # in the buffers (computed, never read) until half are finished, so a row finishing is no new shape
+        self.rows = list(range(len(prompts)))
         # whether a step has verified a draft: its rejected tokens' K/V stay in the buffers, unseen
         self.drafted = False
         self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
@@ -132,10 +135,12 @@ class KVEngine:
         ):  # fmt: skip
             if max(self.lengths) + 1 > self.capacity:
                 self.grow(_round_up(max(self.lengths) + 1, ALIGN))
-            drawn = self.decode([p[0] for p in self.pending], self.lengths, uniforms)
+            drawn = self.decode([p[0] for p in self.pending], self.lengths, uniforms, self.rows)
             if drawn is not None:
-                tokens, logp = drawn[0].long().tolist(), drawn[1].tolist()
+                tokens, logp = drawn[0, self.rows].long().tolist(), drawn[1, self.rows].tolist()
                 return Verified([[t] for t in tokens], [[x] for x in logp], -1, [1] * B, 1, in_place=True)
+        if len(self.rows) < len(self.lengths):  # the general step takes the unfinished rows alone
+            self._compact()
         P = [len(p) for p in self.pending]
         q_len = [p + len(d) for p, d in zip(P, drafts)]
         # Triton specialises integer arguments on ==1 and on divisibility by 16: rounding the query
@@ -207,10 +212,10 @@ class KVEngine:
         """Keep the pending and accepted draft tokens' K/V of ``verified``'s step, drop finished rows."""
         q0, P = verified.window_start, verified.pending
         b_idx, src, dst, ends = [], [], [], []
-        for b, (w, k) in enumerate(zip(walks, keep)):
+        for i, (b, w, k) in enumerate(zip(self.rows, walks, keep)):  # b: sequence i's buffer row
             if not k:
                 continue
-            local = list(range(P[b])) + [P[b] + r - 1 for r in w.rows[1:]]  # pending, then accepted nodes
+            local = list(range(P[i])) + [P[i] + r - 1 for r in w.rows[1:]]  # pending, then accepted nodes
             ends.append(b * verified.queries + local[-1])
             n = self.lengths[b]
             b_idx += [b] * len(local)
@@ -223,18 +228,24 @@ class KVEngine:
             for layer in self.keys:
                 for buf in (self.keys[layer], self.values[layer]):
                     buf[b_t, :, dst_t] = buf[b_t, :, src_t]  # the right side is gathered first: no aliasing
-        if not all(keep):
-            rows = [b for b, k in enumerate(keep) if k]
-            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-            for layer in self.keys:
-                self.keys[layer] = self.keys[layer].index_select(0, rows_t)
-                self.values[layer] = self.values[layer].index_select(0, rows_t)
-            if self.decode is not None:
-                self.decode.reset()
-            self.lengths = [self.lengths[b] for b in rows]
-            self.pending = [self.pending[b] for b in rows]
         if self.linear is not None:
             self.linear.commit(ends)
+        if not all(keep):
+            self.rows = [b for b, k in zip(self.rows, keep) if k]
+            if not verified.in_place or 2 * len(self.rows) <= len(self.lengths):
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop the finished rows from the buffers."""
+        rows_t = torch.tensor(self.rows, dtype=torch.long, device=self.device)
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer].index_select(0, rows_t)
+            self.values[layer] = self.values[layer].index_select(0, rows_t)
+        if self.decode is not None:
+            self.decode.reset()
+        self.lengths = [self.lengths[b] for b in self.rows]
+        self.pending = [self.pending[b] for b in self.rows]
+        self.rows = list(range(len(self.rows)))
 
 
 def _generate(model, prompts, max_new_tokens, cache, params, generator, max_draft_tokens, progress) -> Rollout:

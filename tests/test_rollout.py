@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -359,7 +360,8 @@ def _spy_decode_steps(monkeypatch):
 
 def test_plain_decode_steps_run_at_fixed_shapes(model, monkeypatch):
     """Plain sampling's decode steps run as fixed-shape steps, their K/V written in place (nothing moves
-    after them), through rows of different lengths and rows finishing; the draws are dta_ref's. A run
+    after them), through rows of different lengths and rows finishing (kept in the buffers until half
+    are: a finished row is no new shape); the draws are dta_ref's. A run
     that has verified a draft keeps the tree attention; a model whose attention has sinks sends its
     first decode step back and takes the SDPA route with its fallback from then on."""
     served = _spy_decode_steps(monkeypatch)
@@ -374,12 +376,18 @@ def test_plain_decode_steps_run_at_fixed_shapes(model, monkeypatch):
     out = dta_fast.sample(model, PROMPTS, 6, generator=gen(6))
     assert len(served) == out.stats["verify_steps"] - 1 and all(s is not None for s in served)
     assert moved == [True] + [False] * (out.stats["verify_steps"] - 1)
-    eos = out.completions[0][1]  # a token the rows draw: they finish at different steps
+    base = dta_fast.sample(model, PROMPTS * 3, 12, generator=gen(2), temperature=0.9)
+    eos = collections.Counter(t for c in base.completions for t in c[1:]).most_common(1)[0][0]
     served.clear()
-    kw = dict(temperature=0.9, eos_token_id=eos)
+    compacted = []
+    compact = fast_rollout.KVEngine._compact
+    monkeypatch.setattr(fast_rollout.KVEngine, "_compact", lambda self: compacted.append(1) or compact(self))
+    kw = dict(temperature=0.9, eos_token_id=eos)  # the rows finish at different steps
     ref, fast = (s(model, PROMPTS * 3, 12, generator=gen(2), **kw) for s in (dta_ref.sample, dta_fast.sample))
     _assert_twins(ref, fast)
-    assert len({len(c) for c in fast.completions}) > 1 and len(served) == fast.stats["verify_steps"] - 1
+    assert len(served) == fast.stats["verify_steps"] - 1
+    # finished rows stay in the buffers until half the rows are finished: fewer compactions than finishes
+    assert len(compacted) < len({len(c) for c in fast.completions}), (compacted, fast.completions)
     base = dta_fast.sample(model, PROMPTS, 10, generator=gen(4))
     served.clear()
     spec = dta_fast.speculative_sample(model, PROMPTS, 10, cache=cache_of(PROMPTS, base.completions), generator=gen(5))
