@@ -59,6 +59,7 @@ class DecodeSteps:
 
     def reset(self) -> None:
         self.steps.clear()
+        self.pool = None  # its graphs are gone: the next capture starts a pool of its own
 
     def __call__(self, tokens: list[int], lengths: list[int], uniforms, live: list[int]) -> torch.Tensor | None:
         """float64 [2, rows] on the host: each buffer row's drawn token and its log-probability, its K/V
