@@ -11,8 +11,7 @@ the eager step costs it every operator of the model (the sampler is host-bound a
 docs/rollout.md). Elsewhere, or where a capture fails (a model whose step syncs with the host), the same
 step runs eagerly. Its attention is SDPA with the tree's mask of a single path (every key at or before a
 row's length, within a sliding window), exact since every key past a row's length is zero or the prompt
-step's padding; a model whose attention has sinks or softcaps, which SDPA does not compute, leaves the
-decode step to the engine's tree attention.
+step's padding; with sinks or softcaps, which SDPA does not compute, the same softmax written out.
 """
 
 from __future__ import annotations
@@ -25,10 +24,6 @@ from dta_ref.rollout.sampling import draw, sampling_probs
 
 KEY_BUCKET = 256  # a replayed step attends over its rows' lengths rounded up to this: a graph per 256 keys
 CUDA_GRAPHS = True  # capture the steps on CUDA (off: every step eager, the same numbers)
-
-
-class _NotPlain(Exception):
-    """A layer's attention has sinks or a softcap: the step is left to the tree attention."""
 
 
 class _Step:
@@ -50,7 +45,6 @@ class DecodeSteps:
 
     def __init__(self, engine, params):
         self.engine, self.params = engine, params
-        self.usable = True  # False once a layer turns out to need sinks or a softcap
         self.capture = CUDA_GRAPHS and engine.device.type == "cuda"
         self.steps: dict[tuple[int, int], _Step] = {}
         self.pool = None  # one memory pool for every graph of the run
@@ -61,10 +55,10 @@ class DecodeSteps:
         self.steps.clear()
         self.pool = None  # its graphs are gone: the next capture starts a pool of its own
 
-    def __call__(self, tokens: list[int], lengths: list[int], uniforms, live: list[int]) -> torch.Tensor | None:
+    def __call__(self, tokens: list[int], lengths: list[int], uniforms, live: list[int]) -> torch.Tensor:
         """float64 [2, rows] on the host: each buffer row's drawn token and its log-probability, its K/V
-        written at its length; None if the model's attention has sinks or softcaps (nothing is drawn then).
-        ``uniforms``: one per ``live`` row (the unfinished ones), in order; a finished row draws from 0."""
+        written at its length. ``uniforms``: one per ``live`` row (the unfinished ones), in order; a
+        finished row draws from 0."""
         engine = self.engine
         bucket = KEY_BUCKET if self.capture else 16  # eager: about the keys the rows hold
         keys = min(-(-(max(lengths) + 1) // bucket) * bucket, engine.capacity)
@@ -82,11 +76,7 @@ class DecodeSteps:
         elif self.capture and step.eager_runs:  # warmed up on the default stream: capture the next call
             self._capture(step)
         else:
-            try:
-                self._body(step)
-            except _NotPlain:
-                self.usable = False
-                return None
+            self._body(step)
             step.eager_runs += 1
         return step.outputs.cpu()
 
@@ -113,26 +103,38 @@ class DecodeSteps:
         device = tokens.device
         key_index = torch.arange(keys, device=device)
         path_end = torch.full((keys,), keys, device=device)  # a row's cache is one path: seen by every later token
-        biases, slots = {}, {}  # built once a step: per window, per K/V shape
+        biases, slots = {}, {}  # built once a step: per window and dtype, per K/V shape
+
+        def bias(window, dtype):  # tree_mask's rule, each row's query at its length: 0 where seen, else -inf
+            if (window, dtype) not in biases:
+                seen = tree_mask(lengths[:, None], key_index, path_end, key_index, window)  # [rows, keys]
+                zeros = torch.zeros(seen.shape, dtype=dtype, device=device)
+                biases[window, dtype] = zeros.masked_fill(~seen, -torch.inf)[:, None, None]
+            return biases[window, dtype]
 
         def attend(layer, q, k, v, scale, window=None, sinks=None, softcap=None):
-            if sinks is not None or softcap is not None:
-                raise _NotPlain
             K, V = engine.keys[layer], engine.values[layer]
             for x in (k, v):
                 if x.shape not in slots:
                     slots[x.shape] = lengths.view(-1, 1, 1, 1).expand(x.shape)
             K.scatter_(2, slots[k.shape], k)
             V.scatter_(2, slots[v.shape], v)
-            if (window, q.dtype) not in biases:  # tree_mask's rule, each row's query at its length
-                seen = tree_mask(lengths[:, None], key_index, path_end, key_index, window)  # [rows, keys]
-                bias = torch.zeros(seen.shape, dtype=q.dtype, device=device).masked_fill(~seen, -torch.inf)
-                biases[window, q.dtype] = bias[:, None, None]
             B, Hq, _, D = q.shape
-            folded = q.reshape(B, k.shape[1], Hq // k.shape[1], D)  # a GQA group's heads as its query rows
-            out = F.scaled_dot_product_attention(
-                folded, K[:, :, :keys], V[:, :, :keys], attn_mask=biases[window, q.dtype], scale=scale
-            )
+            Hkv = k.shape[1]
+            folded = q.reshape(B, Hkv, Hq // Hkv, D)  # a GQA group's heads as its query rows
+            K, V = K[:, :, :keys], V[:, :, :keys]
+            if sinks is None and softcap is None:
+                out = F.scaled_dot_product_attention(folded, K, V, attn_mask=bias(window, q.dtype), scale=scale)
+            else:  # SDPA computes neither: the softmax written out, in float32 for low precision as the kernels
+                compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+                scores = torch.matmul(folded.to(compute), K.to(compute).transpose(-1, -2)) * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                scores = scores + bias(window, compute)
+                lse = torch.logsumexp(scores, -1, keepdim=True)
+                if sinks is not None:  # one more logit per query head in every row's denominator
+                    lse = torch.logaddexp(lse, sinks.to(compute).view(1, Hkv, -1, 1))
+                out = torch.matmul(torch.exp(scores - lse), V.to(compute)).to(q.dtype)
             return out.reshape(B, Hq, 1, V.shape[-1])
 
         hidden = engine.adapter.hidden_states(tokens[:, None], lengths[:, None], attend)

@@ -130,15 +130,14 @@ class KVEngine:
         B = len(drafts)
         self.drafted = self.drafted or any(len(d) for d in drafts)
         if (
-            self.decode is not None and self.decode.usable and self.keys and not self.drafted
+            self.decode is not None and self.keys and not self.drafted
             and all(len(p) == 1 for p in self.pending)
         ):  # fmt: skip
             if max(self.lengths) + 1 > self.capacity:
                 self.grow(_round_up(max(self.lengths) + 1, ALIGN))
             drawn = self.decode([p[0] for p in self.pending], self.lengths, uniforms, self.rows)
-            if drawn is not None:
-                tokens, logp = drawn[0, self.rows].long().tolist(), drawn[1, self.rows].tolist()
-                return Verified([[t] for t in tokens], [[x] for x in logp], -1, [1] * B, 1, in_place=True)
+            tokens, logp = drawn[0, self.rows].long().tolist(), drawn[1, self.rows].tolist()
+            return Verified([[t] for t in tokens], [[x] for x in logp], -1, [1] * B, 1, in_place=True)
         if len(self.rows) < len(self.lengths):  # the general step takes the unfinished rows alone
             self._compact()
         P = [len(p) for p in self.pending]
