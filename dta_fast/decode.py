@@ -1,8 +1,8 @@
 """Plain decode steps at fixed shapes, replayed from CUDA graphs on CUDA.
 
-A decode step of a run that has verified no draft (plain sampling after the prompts' step) is the same
-computation every step but for three inputs: the rows' tokens, their cached lengths and the step's
-uniforms. A row's cache holds its tokens at their positions, ``[0, length)``, so the new token's slot and
+A decode step with no draft (plain sampling after the prompts' step, a speculative step with nothing to
+draft) is the same computation every step but for three inputs: the rows' tokens, their cached lengths
+and the step's uniforms. A row's cache holds its tokens at their positions, ``[0, length)``, so the new token's slot and
 position are both its row's length. With those inputs in device buffers, the new K/V written in place
 (a scatter at each row's length) and the keys read over a fixed range (the lengths rounded up to
 ``KEY_BUCKET``), no shape and no Python branch of the step changes from one step to the next: on CUDA the
@@ -10,8 +10,9 @@ step is captured once per (rows, keys) as a CUDA graph and replayed, costing the
 the eager step costs it every operator of the model (the sampler is host-bound at RL sizes:
 docs/rollout.md). Elsewhere, or where a capture fails (a model whose step syncs with the host), the same
 step runs eagerly. Its attention is SDPA with the tree's mask of a single path (every key at or before a
-row's length, within a sliding window), exact since every key past a row's length is zero or the prompt
-step's padding; with sinks or softcaps, which SDPA does not compute, the same softmax written out.
+row's length, within a sliding window), exact since every key past a row's length is zero (the engine
+zeroes what a step writes past a row's new length); with sinks or softcaps, which SDPA does not
+compute, the same softmax written out.
 """
 
 from __future__ import annotations

@@ -17,16 +17,19 @@ the ``attend`` closure keeps the KV cache per layer:
   tree's own subtree ends for the new tokens (a draft token sees its
   ancestors only);
 - after the walk the accepted tokens' K/V move to [length[b], ...) (a few
-  vectors per row); the rejected ones are simply overwritten next step. The
-  cache itself is never copied, except to drop finished rows.
+  vectors per row), and what the step wrote past a row's new length
+  (rejected drafts, padding) is zeroed: every slot past a row's length is
+  zero. The cache itself is never copied, except to drop finished rows.
 
 On a CUDA device the attention is the Triton kernel, elsewhere dta_ref's
 explicit-mask attention on the same subtree ends (dta_fast.dispatch). A decode
-step (one query per row) of a run that has verified no draft is a fixed-shape
-step, replayed from a CUDA graph on CUDA (dta_fast.decode); a hybrid's goes
-through SDPA with the same mask (dta_fast.dispatch.sdpa_attend): there every
-key a row does not see is zero, a copy of one it sees or the prompt step's
-padding (token 0), so nothing needs isolating. Draft sizes adapt per
+step (one query per row, no draft: plain sampling after the prompts' step,
+or a speculative step with nothing to draft) is a fixed-shape step, replayed
+from a CUDA graph on CUDA (dta_fast.decode); a hybrid's, in a run that has
+verified no draft, goes through SDPA with the same mask
+(dta_fast.dispatch.sdpa_attend): there every key a row does not see is zero,
+a copy of one it sees or the prompt step's padding (token 0), so nothing
+needs isolating. Draft sizes adapt per
 sequence (dta_ref.rollout.cache.DraftBudget). Supported models: dta_ref.Decoder and
 Hugging Face Llama / Qwen2 / Qwen3. Inference only (no gradients).
 """
@@ -92,7 +95,7 @@ class KVEngine:
         # the buffer row of each unfinished sequence, in order: fixed-shape decode steps keep finished rows
         # in the buffers (computed, never read) until half are finished, so a row finishing is no new shape
         self.rows = list(range(len(prompts)))
-        # whether a step has verified a draft: its rejected tokens' K/V stay in the buffers, unseen
+        # whether a step has verified a draft: a hybrid's rejected tokens' K/V stay in its buffers, unseen
         self.drafted = False
         self.pending = [list(p) for p in prompts]  # tokens whose K/V are not cached yet (a chain)
         self.linear = self._linear_states()  # linear-attention layers' states per row, or None
@@ -130,7 +133,7 @@ class KVEngine:
         B = len(drafts)
         self.drafted = self.drafted or any(len(d) for d in drafts)
         if (
-            self.decode is not None and self.keys and not self.drafted
+            self.decode is not None and self.keys and not any(len(d) for d in drafts)
             and all(len(p) == 1 for p in self.pending)
         ):  # fmt: skip
             if max(self.lengths) + 1 > self.capacity:
@@ -227,6 +230,14 @@ class KVEngine:
             for layer in self.keys:
                 for buf in (self.keys[layer], self.values[layer]):
                     buf[b_t, :, dst_t] = buf[b_t, :, src_t]  # the right side is gathered first: no aliasing
+        if self.decode is not None and not verified.in_place:
+            # what the step wrote past each row's new length (rejected drafts, padding) back to zero: every slot
+            # past a row's length is zero again, as a fixed-shape decode step's SDPA needs
+            window = np.arange(q0, q0 + verified.queries)
+            stale = torch.from_numpy(window[None] >= np.array(self.lengths)[:, None]).to(self.device)
+            for layer in self.keys:
+                for buf in (self.keys[layer], self.values[layer]):
+                    buf[:, :, q0 : q0 + verified.queries].masked_fill_(stale[:, None, :, None], 0)
         if self.linear is not None:
             self.linear.commit(ends)
         if not all(keep):

@@ -387,10 +387,27 @@ def test_plain_decode_steps_run_at_fixed_shapes(model, monkeypatch):
     assert len(served) == fast.stats["verify_steps"] - 1
     # finished rows stay in the buffers until half the rows are finished: fewer compactions than finishes
     assert len(compacted) < len({len(c) for c in fast.completions}), (compacted, fast.completions)
-    base = dta_fast.sample(model, PROMPTS, 10, generator=gen(4))
+    # speculative: a step with drafts takes the tree attention, one without (the cache's drafts used up)
+    # is a fixed-shape step, also after drafted steps, whose rejected tokens' K/V were zeroed
+    short = [c[:4] for c in dta_fast.sample(model, PROMPTS, 10, generator=gen(4)).completions]
     served.clear()
-    spec = dta_fast.speculative_sample(model, PROMPTS, 10, cache=cache_of(PROMPTS, base.completions), generator=gen(5))
-    assert spec.stats["accepted_tokens"] > 0 and not served
+    clean = []  # after each general step: every slot past a row's length is zero
+    monkeypatch.setattr(fast_rollout.KVEngine, "commit", commit)
+
+    def checked(self, verified, *args):
+        commit(self, verified, *args)
+        if not verified.in_place:
+            clean.append(all(bool(buf[i, :, n:].eq(0).all()) for buf in (*self.keys.values(), *self.values.values())
+                             for i, n in zip(self.rows, (self.lengths[b] for b in self.rows))))  # fmt: skip
+
+    monkeypatch.setattr(fast_rollout.KVEngine, "commit", checked)
+    kw = dict(temperature=0.9, max_draft_tokens=4)
+    ref, spec = (
+        s(model, PROMPTS, 10, cache=cache_of(PROMPTS, short), generator=gen(5), **kw) for s in SPECULATIVE.values()
+    )
+    _assert_twins(ref, spec)
+    assert spec.stats["accepted_tokens"] > 0 and 0 < len(served) < spec.stats["verify_steps"] - 1
+    assert clean and all(clean)
     for family in ("gpt-oss", "gemma2"):  # sinks and a window; softcaps: the softmax written out
         variant = tiny_family_model(family, torch.float64)
         served.clear()
