@@ -27,6 +27,16 @@ KEY_BUCKET = 256  # a replayed step attends over its rows' lengths rounded up to
 CUDA_GRAPHS = True  # capture the steps on CUDA (off: every step eager, the same numbers)
 
 
+def _hooked(model) -> bool:
+    """Whether a forward of ``model`` runs code of others around its modules (forward hooks: sharded or
+    offloaded weights gathered per forward, ZeRO-3 or accelerate's), which a graph's replay would skip."""
+    from torch.nn.modules import module
+
+    if module._global_forward_hooks or module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
+
+
 class _Step:
     """One decode step's fixed-shape inputs, outputs and (once captured) CUDA graph."""
 
@@ -46,7 +56,7 @@ class DecodeSteps:
 
     def __init__(self, engine, params):
         self.engine, self.params = engine, params
-        self.capture = CUDA_GRAPHS and engine.device.type == "cuda"
+        self.capture = CUDA_GRAPHS and engine.device.type == "cuda" and not _hooked(engine.adapter.model)
         self.steps: dict[tuple[int, int], _Step] = {}
         self.pool = None  # one memory pool for every graph of the run
         self.stream = None

@@ -807,8 +807,8 @@ def test_cuda_engine_with_the_kernel(dtype, first_new_tokens, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_decode_steps_replay_from_graphs(dtype, monkeypatch):
     """On CUDA plain decode steps are captured as CUDA graphs and replayed: the same tokens and bitwise the
-    same logprobs as the eager steps, through buffers that grow and rows that finish (each a new shape,
-    captured anew); in float32 greedy draws are dta_ref's."""
+    same logprobs as the eager steps, through buffers that grow and rows that finish; in float32 greedy
+    draws are dta_ref's. A model with forward hooks is never captured."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import dta_fast.decode as decode
@@ -840,6 +840,13 @@ def test_cuda_decode_steps_replay_from_graphs(dtype, monkeypatch):
     assert len({len(c) for c in eager.completions}) > 1  # rows finished at different steps
     for x, y in zip(replayed.logprobs, eager.logprobs, strict=True):
         assert torch.equal(x, y)
+    # a forward hook (as sharded or offloaded weights bring) runs every step: nothing is replayed
+    monkeypatch.setattr(decode, "CUDA_GRAPHS", True)
+    calls = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    out = dta_fast.sample(model, prompts, 8, temperature=0)
+    hook.remove()
+    assert engines[-1].replays == 0 and len(calls) == out.stats["verify_steps"]
 
 
 @pytest.mark.gpu
