@@ -333,7 +333,8 @@ def plot_bars(
     return path
 
 
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")  # the runtime calls that launch
+# the runtime calls that launch work on the GPU: kernels, and CUDA graphs (one call replays a whole graph)
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
 def on_gpu(event) -> bool:
