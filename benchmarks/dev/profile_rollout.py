@@ -5,11 +5,11 @@
 bench_rollout.py's random-weight policy (shapes.MODELS["llama-24m"], bf16, eval), ``--rows`` rows of
 one ``--prompt``-token prompt, plain sampling at temperature 1 with no end token, so every row makes
 every token. Per method and length, after a warm-up run: wall ms per generated token step (median of
-3 runs) and one run of ``--profiled-steps`` new tokens under torch.profiler: per step, the GPU time of its kernels, its
-launches (a CUDA graph's replay counts one), and the host operators that take the most time. A step whose wall time is far above
-its GPU time is host-bound: its GPU waits on Python. No gate (the samplers' draws are tested against
-dta_ref's in the test suite; bench_rollout.py gates the policy). Writes results/profile_rollout_<GPU>.json
-and prints the table last.
+3 runs) and one run of ``--profiled-steps`` new tokens under torch.profiler: per step, the GPU time of
+its kernels, its launches (a CUDA graph's replay counts one), and the host operators that take the most
+time. A step whose wall time is far above its GPU time is host-bound: its GPU waits on Python. No gate
+(the samplers' draws are tested against dta_ref's in the test suite; bench_rollout.py gates the policy).
+Writes results/profile_rollout_<GPU>.json and prints the table last.
 """
 
 from __future__ import annotations
