@@ -31,7 +31,7 @@ verified no draft, goes through SDPA with the same mask
 a copy of one it sees or the prompt step's padding (token 0), so nothing
 needs isolating. Draft sizes adapt per
 sequence (dta_ref.rollout.cache.DraftBudget). Supported models: dta_ref.Decoder and
-Hugging Face Llama / Qwen2 / Qwen3. Inference only (no gradients).
+the Hugging Face families of the README's table. Inference only (no gradients).
 """
 
 from __future__ import annotations
