@@ -5,7 +5,8 @@
 bench_rollout.py's random-weight policy (shapes.MODELS["llama-24m"], bf16, eval), ``--rows`` rows of
 one ``--prompt``-token prompt, plain sampling at temperature 1 with no end token, so every row makes
 every token. Per method and length, after a warm-up run: wall ms per generated token step (median of
-3 runs) and one run of ``--profiled-steps`` new tokens under torch.profiler: per step, the GPU time of
+3 runs), how many of a run's decode steps replayed a CUDA graph (``dta_fast.decode``; 0 off CUDA or
+where a capture failed), and one run of ``--profiled-steps`` new tokens under torch.profiler: per step, the GPU time of
 its kernels, its launches (a CUDA graph's replay counts one), and the host operators that take the most
 time. A step whose wall time is far above its GPU time is host-bound: its GPU waits on Python. No gate
 (the samplers' draws are tested against dta_ref's in the test suite; bench_rollout.py gates the policy).
@@ -28,6 +29,7 @@ import bench_rollout  # noqa: E402
 import harness  # noqa: E402
 
 import dta_fast  # noqa: E402
+from dta_fast.decode import DecodeSteps  # noqa: E402
 
 
 def methods(model, prompts):
@@ -41,6 +43,22 @@ def methods(model, prompts):
         return bench_rollout.hf_generate(model, prompts, new_tokens, seed=1, eos=None)
 
     return {"dta_fast.sample": ours, "generate": generate}
+
+
+def replayed_steps(run, steps: int) -> int:
+    """How many decode steps of a ``steps``-token run replayed a CUDA graph (dta_fast.decode)."""
+    engines, init = [], DecodeSteps.__init__
+
+    def collect(self, *args):
+        init(self, *args)
+        engines.append(self)
+
+    DecodeSteps.__init__ = collect
+    try:
+        run(steps)
+    finally:
+        DecodeSteps.__init__ = init
+    return sum(e.replays for e in engines)
 
 
 def profiled(run, steps: int) -> dict:
@@ -81,6 +99,7 @@ def main(argv=None):
             seconds = [harness.wall_seconds(lambda r=run, n=new_tokens: r(n))[0] for _ in range(3)]
             per_step = 1e3 * harness.median(seconds) / new_tokens
             row = dict(method=name, rows=args.rows, prompt=args.prompt, new_tokens=new_tokens, ms_per_step=per_step,
+                       replayed_steps=replayed_steps(run, new_tokens) if name == "dta_fast.sample" else None,
                        **profiled(run, args.profiled_steps))  # fmt: skip
             print(row, flush=True)
             rows.append(row)
@@ -90,10 +109,19 @@ def main(argv=None):
     def cells(r):
         top = r["top_host"][0]
         return [r["method"], r["new_tokens"], f"{r['ms_per_step']:.2f}", f"{r['gpu_ms_per_step']:.2f}",
-                f"{r['launches_per_step']:.0f}", f"{top['name'][:40]} ({top['ms_per_step']:.2f})"]  # fmt: skip
+                f"{r['launches_per_step']:.0f}", harness.cell(r["replayed_steps"], "d"),
+                f"{top['name'][:40]} ({top['ms_per_step']:.2f})"]  # fmt: skip
 
     harness.print_table(
-        ["method", "new tokens", "wall ms/step", "GPU ms/step", "launches/step", "top host op (ms/step)"],
+        [
+            "method",
+            "new tokens",
+            "wall ms/step",
+            "GPU ms/step",
+            "launches/step",
+            "replayed steps",
+            "top host op (ms/step)",
+        ],  # fmt: skip
         [cells(r) for r in rows],
         title=f"{harness.device_name()}; {args.rows} rows x {args.prompt}-token prompt, plain sampling, bf16",
     )
