@@ -17,6 +17,8 @@ compute, the same softmax written out.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,25 @@ from dta_ref.rollout.sampling import draw, sampling_probs
 
 KEY_BUCKET = 256  # a replayed step attends over its rows' lengths rounded up to this: a graph per 256 keys
 CUDA_GRAPHS = True  # capture the steps on CUDA (off: every step eager, the same numbers)
+
+
+def capture(fn, pool, device) -> torch.cuda.CUDAGraph:
+    """``fn``'s CUDA work as a graph sharing ``pool``, after a warm-up call on the capture's stream whose
+    results stand (the capture itself computes nothing): the call that captures is a step like the others."""
+    stream = _capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):  # warm-up and captures on one stream
+        fn()
+    return graph
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _hooked(model) -> bool:
@@ -59,7 +80,6 @@ class DecodeSteps:
         self.capture = CUDA_GRAPHS and engine.device.type == "cuda" and not _hooked(engine.adapter.model)
         self.steps: dict[tuple[int, int], _Step] = {}
         self.pool = None  # one memory pool for every graph of the run
-        self.stream = None
         self.replays = 0
 
     def reset(self) -> None:
@@ -92,21 +112,12 @@ class DecodeSteps:
         return step.outputs.cpu()
 
     def _capture(self, step: _Step) -> None:
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):  # this call's draws: a warm-up on the capture's stream
-            self._body(step)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self._body(step)
+            step.graph = capture(lambda: self._body(step), self.pool, self.engine.device)
         except Exception:  # the model's step syncs with the host somewhere: eager from now on, same numbers
             self.capture = False
             return
-        self.pool = graph.pool()
-        step.graph = graph
+        self.pool = step.graph.pool()
 
     def _body(self, step: _Step) -> None:
         engine, keys = self.engine, step.keys

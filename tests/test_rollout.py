@@ -416,6 +416,71 @@ def test_plain_decode_steps_run_at_fixed_shapes(model, monkeypatch):
         assert len(served) == fast.stats["verify_steps"] - 1
 
 
+@pytest.mark.parametrize("captures", ["succeed", "fail"])
+def test_decode_graph_orchestration(model, captures, monkeypatch):
+    """The capture logic off CUDA, with a stand-in for the capture: the second call at a shape captures
+    (its warm-up's draws stand), later calls replay, a grown or compacted buffer is never replayed through
+    a graph of the old one (plain runs with rows finishing; a speculative run whose drafted steps grow the
+    buffers between fixed-shape ones), and a failed capture leaves the run eager; the draws are dta_ref's."""
+    import dta_fast.decode as decode
+
+    engines, captured = [], []
+    init = DecodeSteps.__init__
+
+    def on_cuda(self, *args):
+        init(self, *args)
+        self.capture = True  # as on CUDA
+        engines.append(self)
+
+    def buffers():
+        engine = engines[-1].engine
+        return [id(t) for t in (*engine.keys.values(), *engine.values.values())]
+
+    class Replay:
+        def __init__(self, fn):
+            self.fn, self.buffers = fn, buffers()
+
+        def replay(self):
+            assert buffers() == self.buffers, "a graph replayed over buffers it was not captured with"
+            self.fn()
+
+        def pool(self):
+            return None
+
+    def stand_in(fn, pool, device):
+        fn()  # the warm-up
+        captured.append(1)
+        if captures == "fail":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return Replay(fn)
+
+    monkeypatch.setattr(DecodeSteps, "__init__", on_cuda)
+    monkeypatch.setattr(decode, "capture", stand_in)
+    monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", 4)  # the buffers grow
+    monkeypatch.setattr(decode, "KEY_BUCKET", 16)  # a key range that outlives a growth
+    base = dta_fast.sample(model, PROMPTS * 3, 40, generator=gen(2), temperature=0.9)
+    eos = collections.Counter(t for c in base.completions for t in c[1:]).most_common(2)[1][0]
+    kw = dict(temperature=0.9, eos_token_id=eos)
+    captured.clear()
+    ref, fast = (s(model, PROMPTS * 3, 40, generator=gen(3), **kw) for s in (dta_ref.sample, dta_fast.sample))
+    _assert_twins(ref, fast)
+    assert len({len(c) for c in fast.completions}) > 2
+    if captures == "succeed":
+        assert len(captured) > 1 and engines[-1].replays > len(captured)
+    else:
+        assert captured == [1] and engines[-1].replays == 0 and not engines[-1].capture
+    # speculative: fixed-shape steps between drafted ones, whose windows grow the buffers under a key range
+    # already captured
+    prompts = PROMPTS * 2
+    base = dta_fast.sample(model, prompts, 60, generator=gen(3), temperature=0.9).completions
+    kw = dict(temperature=0.9, max_draft_tokens=8, generator=gen(103))
+    short = [c[: 10 + 3 * i] for i, c in enumerate(base)]
+    ref = dta_ref.speculative_sample(model, prompts, 60, cache=cache_of(prompts, short), **kw)
+    kw["generator"] = gen(103)
+    fast = dta_fast.speculative_sample(model, prompts, 60, cache=cache_of(prompts, short), **kw)
+    _assert_twins(ref, fast)
+
+
 def test_empty_cache_speculative_equals_plain(model):
     """No drafts: the speculative samplers draw exactly like plain sampling, token for token."""
     plain = dta_ref.sample(model, PROMPTS, 8, generator=gen(7), top_k=10)
