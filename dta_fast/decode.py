@@ -91,7 +91,9 @@ class DecodeSteps:
         written at its length. ``uniforms``: one per ``live`` row (the unfinished ones), in order; a
         finished row draws from 0."""
         engine = self.engine
-        bucket = KEY_BUCKET if self.capture else 16  # eager: about the keys the rows hold
+        # on CUDA one key range per 256 keys, captured or not (the same shapes, so the same numbers, either
+        # way); elsewhere about the keys the rows hold
+        bucket = KEY_BUCKET if engine.device.type == "cuda" else 16
         keys = min(-(-(max(lengths) + 1) // bucket) * bucket, engine.capacity)
         step = self.steps.get((len(tokens), keys))
         if step is None:

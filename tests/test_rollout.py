@@ -457,7 +457,6 @@ def test_decode_graph_orchestration(model, captures, monkeypatch):
     monkeypatch.setattr(DecodeSteps, "__init__", on_cuda)
     monkeypatch.setattr(decode, "capture", stand_in)
     monkeypatch.setattr(fast_rollout, "FIRST_NEW_TOKENS", 4)  # the buffers grow
-    monkeypatch.setattr(decode, "KEY_BUCKET", 16)  # a key range that outlives a growth
     base = dta_fast.sample(model, PROMPTS * 3, 40, generator=gen(2), temperature=0.9)
     eos = collections.Counter(t for c in base.completions for t in c[1:]).most_common(2)[1][0]
     kw = dict(temperature=0.9, eos_token_id=eos)
