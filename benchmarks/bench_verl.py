@@ -1,7 +1,7 @@
 """verl's policy update: verl's FSDP2 engine against the tree engine, inside verl's own TrainingWorker.
 
     python benchmarks/bench_verl.py [--models qwen2-0.5b qwen3-1.7b] [--prompts 4] [--group 8]
-                                    [--prompt-len 1024] [--response 1024] [--repeats 3]
+                                    [--prompt-len 1024] [--response 1024] [--repeats 3] [--gate-prompts N]
                                     [--fused-backend torch] [--out DIR]
 
 Runs in verl's pinned environment (``pip install -e ".[verl]"``) on one GPU, one rank. A mini-batch as
@@ -15,13 +15,14 @@ verl's default ``torch`` or its Triton kernel: without them and without flash-at
 log-softmax per token in a Python loop), and the faster layout is the baseline; the tree engine removes
 padding and computes its log-probabilities chunked, as always.
 
-Gates, before timing, each from the same weights: (1) exactness, in float32 compute: the tree engine's
-update is no farther from each of verl's two float32 updates than twice their distance from each other,
-plus 1e-3 (verl's two layouts, both exact, land about 5e-3 apart on a 24-layer model on an H200);
-(2) bf16 compute, the timed setting: the tree's update is no farther from verl's float32 update than
-twice verl's own bf16 update is, plus 1e-3 (two bf16 updates differ by rounding alone: 10-20% on
-random weights, so they cannot gate each other). Median of
-``--repeats`` bf16 steps after the gate's, peak memory. Models are shapes.MODELS with random weights,
+Gates, before timing, each from the same weights, on a mini-batch of ``--gate-prompts`` prompts (by
+default the timed one; a smaller one runs the same micro-batches of one group, in less float32 time):
+(1) exactness, in float32 compute: the tree engine's update is no farther from each of verl's two
+float32 updates than twice their distance from each other, plus 1e-3 (verl's two layouts, both exact,
+land about 5e-3 apart on a 24-layer model on an H200); (2) bf16 compute, the timed setting: the tree's
+update is no farther from verl's float32 update than twice verl's own bf16 update is, plus 1e-3 (two
+bf16 updates differ by rounding alone: 10-20% on random weights, so they cannot gate each other).
+Median of ``--repeats`` bf16 steps after a warm-up, peak memory. Models are shapes.MODELS with random weights,
 saved with a tokenizer built in code. Writes results/verl_update_<GPU>.json and prints the table last.
 """
 
@@ -31,6 +32,7 @@ import argparse
 import contextlib
 import os
 import tempfile
+import time
 
 import harness
 import shapes
@@ -189,13 +191,29 @@ def run(model: str, args, directory: str, **overrides) -> dict:
 def _row(model: str, path: str, args, overrides) -> dict:
     vocab = overrides.get("vocab_size", shapes.MODELS[model].vocab_size)
     td, tokens, unique = mini_batch(args.prompts, args.group, args.prompt_len, args.response, vocab)
-    row = dict(model=model, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
-               response=args.response, tokens=tokens, unique_tokens=unique, param_dtype=args.param_dtype,
-               verl_fused_backend=args.fused_backend, engines={})  # fmt: skip
+    gate_prompts = args.gate_prompts or args.prompts
+    if not 1 <= gate_prompts <= args.prompts:
+        raise ValueError(f"--gate-prompts must be between 1 and --prompts ({args.prompts}), got {gate_prompts}")
+    # micro-batches are one group each, so a smaller gate batch runs the same per-micro-batch computation
+    gate_td = (
+        td
+        if gate_prompts == args.prompts
+        else mini_batch(gate_prompts, args.group, args.prompt_len, args.response, vocab, seed=1)[0]
+    )
+    row = dict(model=model, prompts=args.prompts, gate_prompts=gate_prompts, group=args.group,
+               prompt_len=args.prompt_len, response=args.response, tokens=tokens, unique_tokens=unique,
+               param_dtype=args.param_dtype, verl_fused_backend=args.fused_backend, engines={})  # fmt: skip
+    clock = time.perf_counter()
+
+    def progress(what: str) -> None:  # where a long run's minutes go, printed as it goes
+        print(f"{model}: {what} at {time.perf_counter() - clock:.0f} s", flush=True)
+
     exact = {}
     for name, (tree, remove_padding) in ENGINES.items():  # the exactness gate, float32 compute
-        w = worker(path, tree, args.group, args.prompts, "fp32", remove_padding, args.fused_backend)
-        exact[name] = update(w, td)
+        w = worker(path, tree, args.group, gate_prompts, "fp32", remove_padding, args.fused_backend)
+        progress(f"{name} float32 worker built")
+        exact[name] = update(w, gate_td)
+        progress(f"{name} float32 update")
         del w
         harness.empty_cache()
     truth = exact["verl"]
@@ -205,9 +223,12 @@ def _row(model: str, path: str, args, overrides) -> dict:
     for name, (tree, remove_padding) in ENGINES.items():
         w = worker(path, tree, args.group, args.prompts, args.param_dtype, remove_padding, args.fused_backend)
         harness.reset_peak()
-        seconds, step = harness.wall_seconds(lambda w=w: update(w, td))  # the gate's step, also the warm-up
+        seconds, step = harness.wall_seconds(lambda w=w: update(w, gate_td))  # the drift gate's step
         drift[name] = harness.relative_error(step, truth)
+        if gate_td is not td:  # the warm-up at the timed batch's sizes
+            seconds = harness.wall_seconds(lambda w=w: w.train_mini_batch(td.clone()))[0]
         times = [timed(w, td) for _ in range(args.repeats)]
+        progress(f"{name} {args.param_dtype} steps")
         row["engines"][name] = dict(
             remove_padding=remove_padding,
             warmup_seconds=seconds,
@@ -260,6 +281,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--response", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--gate-prompts",
+        type=int,
+        default=None,
+        help="prompts of the gates' mini-batch (default: --prompts); micro-batches are one group",
+    )
     p.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--fused-backend", default="torch", choices=["torch", "triton"], help="verl's fused kernels")
     p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))

@@ -538,6 +538,17 @@ def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_verl, "update", bf16_tree_off)
     row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "c"), **tiny)
     assert row["exact_rel_diff"] < 1e-4 and not row["gate_ok"] and "speedup" not in row
+    sizes = []
+    monkeypatch.setattr(bench_verl, "update", lambda w, td: sizes.append(len(td)) or exact_update(w, td))
+    small = bench_verl.parser().parse_args(
+        ["--prompts", "2", "--group", "4", "--prompt-len", "6", "--response", "6", "--repeats", "1",
+         "--gate-prompts", "1"]
+    )  # fmt: skip
+    row = bench_verl.run("qwen2-0.5b", small, str(tmp_path / "d"), **tiny)  # the gates on one group, timed on two
+    assert row["gate_ok"] and row["gate_prompts"] == 1 and sizes == [4] * 6 and row["exact_rel_diff"] < 1e-4
+    small.gate_prompts = 3
+    with pytest.raises(ValueError, match="--gate-prompts must be between 1 and --prompts"):
+        bench_verl.run("qwen2-0.5b", small, str(tmp_path / "e"), **tiny)
 
 
 def test_the_verl_profile_measures_every_engine(tmp_path):
