@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import tempfile
 import time
@@ -183,6 +184,10 @@ ENGINES = {"verl": (False, True), "verl_padded": (False, False), "tree": (True, 
 
 def run(model: str, args, directory: str, **overrides) -> dict:
     """One model's row: the float32 gate, then each engine's bf16 gate step and timed steps."""
+    # verl keeps the tracebacks of its optional imports; imported first inside worker(), their frames
+    # would keep that call's worker, and its GPU memory, alive for the rest of the run
+    import verl.workers.engine_workers  # noqa: F401
+
     path = checkpoint(model, os.path.join(directory, model), **overrides)
     with own_forward_kept(path):
         return _row(model, path, args, overrides)
@@ -215,6 +220,7 @@ def _row(model: str, path: str, args, overrides) -> dict:
         exact[name] = update(w, gate_td)
         progress(f"{name} float32 update")
         del w
+        gc.collect()  # a worker's modules hold reference cycles: its GPU memory goes only once they do
         harness.empty_cache()
     truth = exact["verl"]
     row["verl_layouts_rel_diff"] = harness.relative_error(exact["verl_padded"], truth)
@@ -238,6 +244,7 @@ def _row(model: str, path: str, args, overrides) -> dict:
             rel_diff_from_float32=drift[name],
         )
         del w
+        gc.collect()  # a worker's modules hold reference cycles: its GPU memory goes only once they do
         harness.empty_cache()
     allowed = 2 * min(drift["verl"], drift["verl_padded"]) + DRIFT_FLOOR
     exact_ok = row["exact_rel_diff"] <= 2 * row["verl_layouts_rel_diff"] + EXACT_FLOOR

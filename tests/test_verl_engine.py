@@ -10,7 +10,9 @@ prompts, right-padded responses, ``left_right_2_no_padding``, the trainer's flag
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -511,7 +513,18 @@ def test_the_verl_benchmark_gates_then_times(tmp_path, monkeypatch):
     )  # fmt: skip
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)  # fmt: skip
+    built, build = [], bench_verl.worker
+
+    def kept(*args, **kwargs):  # each worker's model, to see that none outlives its run
+        w = build(*args, **kwargs)
+        built.append(weakref.ref(w.engine.module))
+        return w
+
+    monkeypatch.setattr(bench_verl, "worker", kept)
     row = bench_verl.run("qwen2-0.5b", args, str(tmp_path / "a"), **tiny)
+    gc.collect()
+    assert len(built) == 2 * len(bench_verl.ENGINES) and all(ref() is None for ref in built)
+    monkeypatch.setattr(bench_verl, "worker", build)
     assert row["gate_ok"] and row["exact_rel_diff"] < 1e-4 and row["speedup"] > 0
     assert set(row["engines"]) == {"verl", "verl_padded", "tree"}
     assert row["baseline"] in ("verl", "verl_padded")
