@@ -246,11 +246,14 @@ def template_share(prompt: list[int], completion: list[int]) -> float:
 
 
 class StepClock:
-    """A trainer callback: the wall seconds of each optimizer step (generation included), synced, and of
-    its part inside the trainer's method that ``watch`` wraps (generation, rewards and scoring)."""
+    """A trainer callback: the wall seconds of each optimizer step (generation included), synced, of
+    its part inside the trainer's method that ``watch`` wraps (generation, rewards and scoring), and
+    the Triton compiles in it (count and seconds, while ``compiles`` is entered)."""
 
     def __init__(self):
         self.seconds, self.generation_seconds, self._start, self._inside = [], [], None, 0.0
+        self.compiles, self._compiled = harness.TritonCompiles(), None
+        self.compile_counts, self.compile_seconds = [], []
 
     def watch(self, trainer, method: str = "_generate_and_score_completions"):
         inner = getattr(trainer, method)
@@ -268,11 +271,14 @@ class StepClock:
     def on_step_begin(self, args, state, control, **kwargs):
         harness.sync()
         self._start, self._inside = time.perf_counter(), 0.0
+        self._compiled = self.compiles.count, self.compiles.seconds
 
     def on_step_end(self, args, state, control, **kwargs):
         harness.sync()
         self.seconds.append(time.perf_counter() - self._start)
         self.generation_seconds.append(self._inside)
+        self.compile_counts.append(self.compiles.count - self._compiled[0])
+        self.compile_seconds.append(self.compiles.seconds - self._compiled[1])
 
     def __getattr__(self, name):  # the other TrainerCallback events: nothing to do
         if name.startswith("on_"):
@@ -305,7 +311,8 @@ def full_step_run(trainer_cls, config_cls, model_dir, prompts, args, out_dir, **
     clock.watch(trainer)
     harness.empty_cache()
     harness.reset_peak()
-    trainer.train()
+    with clock.compiles:
+        trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return clock, harness.peak_allocated_gib(), logs
 
@@ -353,6 +360,8 @@ def full_step(args) -> dict:
             row["runs"][name] = dict(
                 step_seconds=seconds,
                 generation_seconds=clock.generation_seconds,  # generation, rewards and scoring in each step
+                triton_compiles=clock.compile_counts,  # a step's first calls at new kernel specialisations
+                triton_compile_seconds=clock.compile_seconds,
                 seconds=harness.median(seconds[args.warmup :] or seconds),
                 peak_gib=peak,
                 reward=[e.get("reward") for e in logs],

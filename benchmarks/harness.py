@@ -286,6 +286,44 @@ def wall_seconds(fn):
     return time.perf_counter() - t0, result
 
 
+class TritonCompiles:
+    """Triton's JIT compiles in this process while the context is open: ``count`` and ``seconds`` (a
+    kernel's first call at each new specialisation, the autotuner's configs included; a load from
+    Triton's disk cache counts too), through ``triton.knobs``' runtime hooks, which it chains to any
+    installed before it. Nothing counts where Triton has no such hooks or runs interpreted."""
+
+    def __init__(self):
+        self.count, self.seconds, self._started, self._saved = 0, 0.0, [], None
+
+    def __enter__(self) -> TritonCompiles:
+        try:
+            from triton import knobs
+
+            runtime = knobs.runtime
+            self._saved = runtime, runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        except (ImportError, AttributeError):  # no Triton, or one older than its knobs
+            return self
+        _, before, after = self._saved
+
+        def started(**kwargs):
+            skip = before(**kwargs) if before else None  # a hook before it may skip the compile
+            if not skip:
+                self._started.append(time.perf_counter())
+            return skip
+
+        def compiled(**kwargs):
+            self.count += 1
+            self.seconds += time.perf_counter() - self._started.pop()
+            return after(**kwargs) if after else None
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, compiled
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            runtime, runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._saved
+
+
 # ---------------------------------------------------------------- plot and table
 
 

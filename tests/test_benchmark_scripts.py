@@ -438,6 +438,7 @@ def test_trl_full_step_gates_then_times_both_trainers(tmp_path, monkeypatch):
     assert all(len(r["step_seconds"]) == 2 and len(r["reward"]) == 2 for r in row["runs"].values())
     for r in row["runs"].values():  # each step generated once, inside the step
         assert all(0 < g < t for g, t in zip(r["generation_seconds"], r["step_seconds"], strict=True))
+        assert len(r["triton_compiles"]) == len(r["triton_compile_seconds"]) == 2  # none on the CPU
     assert row["speedup"] > 0
     bench_trl.print_full_step(row)
     right = tree_trl.block_logprobs_and_entropy
@@ -446,6 +447,26 @@ def test_trl_full_step_gates_then_times_both_trainers(tmp_path, monkeypatch):
     )
     row = bench_trl.full_step(args)
     assert not row["gate"]["ok"] and not row["runs"]
+
+
+def test_triton_compiles_are_counted_through_the_jit_hooks():
+    """harness.TritonCompiles counts what Triton's JIT reports, chains the hooks installed before it (one
+    that skips a compile skips the count) and puts them back on exit."""
+    knobs = pytest.importorskip("triton.knobs")
+    runtime = knobs.runtime
+    saved, seen = (runtime.jit_cache_hook, runtime.jit_post_compile_hook), []
+    runtime.jit_cache_hook = lambda **kw: kw["key"] == "cached"  # a hook before it: skips "cached"
+    runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["key"])
+    before = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    try:
+        with harness.TritonCompiles() as compiles:  # the calls Triton makes around each compile
+            for key in ("a", "cached", "b"):
+                if not runtime.jit_cache_hook(key=key, is_manual_warmup=False):
+                    runtime.jit_post_compile_hook(key=key, is_manual_warmup=False)
+        assert compiles.count == 2 and compiles.seconds >= 0 and seen == ["a", "b"]
+        assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == before
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
 def test_template_share_counts_the_followed_template():
