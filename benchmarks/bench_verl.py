@@ -48,7 +48,8 @@ def checkpoint(model: str, directory: str, **overrides) -> str:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    net = shapes.MODELS[model].build("cpu", dtype=torch.float32, **overrides)
+    # drawn on the GPU where there is one, where initialising billions of float32 weights is fast
+    net = shapes.MODELS[model].build("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32, **overrides)
     vocab = net.config.vocab_size
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -56,6 +57,8 @@ def checkpoint(model: str, directory: str, **overrides) -> str:
     net.config.pad_token_id, net.config.eos_token_id = 0, 1
     net.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    del net
+    harness.empty_cache()
     return directory
 
 
