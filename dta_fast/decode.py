@@ -17,35 +17,16 @@ compute, the same softmax written out.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from dta_ref.attention import tree_mask
 from dta_ref.rollout.sampling import draw, sampling_probs
 
+from .cuda_graphs import capture
+
 KEY_BUCKET = 256  # a replayed step attends over its rows' lengths rounded up to this: a graph per 256 keys
 CUDA_GRAPHS = True  # capture the steps on CUDA (off: every step eager, the same numbers)
-
-
-def capture(fn, pool, device) -> torch.cuda.CUDAGraph:
-    """``fn``'s CUDA work as a graph sharing ``pool``, after a warm-up call on the capture's stream whose
-    results stand (the capture itself computes nothing): the call that captures is a step like the others."""
-    stream = _capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):  # warm-up and captures on one stream
-        fn()
-    return graph
-
-
-@functools.cache
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def _hooked(model) -> bool:
@@ -115,7 +96,7 @@ class DecodeSteps:
 
     def _capture(self, step: _Step) -> None:
         try:
-            step.graph = capture(lambda: self._body(step), self.pool, self.engine.device)
+            step.graph = capture(lambda: self._body(step), self.pool, self.engine.device).graph
         except Exception:  # the model's step syncs with the host somewhere: eager from now on, same numbers
             self.capture = False
             return

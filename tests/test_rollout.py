@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import types
 
 import pytest
 import torch
@@ -452,7 +453,7 @@ def test_decode_graph_orchestration(model, captures, monkeypatch):
         captured.append(1)
         if captures == "fail":
             raise RuntimeError("operation not permitted when stream is capturing")
-        return Replay(fn)
+        return types.SimpleNamespace(graph=Replay(fn))
 
     monkeypatch.setattr(DecodeSteps, "__init__", on_cuda)
     monkeypatch.setattr(decode, "capture", stand_in)

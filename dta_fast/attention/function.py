@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dta_ref.attention import autocast_inputs, check_sinks, check_softcap, refuse_create_graph
 from dta_ref.checks import check_int, check_scale
 
-from . import hopper
+from . import graphed, hopper
 from .interpreter import INTERPRET
 from .kernels import (
     LOG2E,
@@ -204,6 +204,26 @@ def queries_seeing(keys: torch.Tensor, subtree_end: torch.Tensor, Tq: int) -> to
     return sees
 
 
+def _forward_call(q, k, v, schedule, sm_scale, variant):
+    """``_forward``, replayed from a CUDA graph where the call is small (graphed.py)."""
+
+    def body(q, k, v, *sinks):
+        return _forward(q, k, v, schedule, sm_scale, replace(variant, sinks=sinks[0] if sinks else None))
+
+    inputs = (q, k, v) if variant.sinks is None else (q, k, v, variant.sinks)
+    return graphed.run(body, inputs, schedule.graphs, ("forward", sm_scale, variant.window, variant.softcap))
+
+
+def _backward_call(do, q, k, v, o, lse, schedule, sm_scale, variant):
+    """``_backward``, replayed from a CUDA graph where the call is small (graphed.py)."""
+
+    def body(do, q, k, v, o, lse, *sinks):
+        return _backward(do, q, k, v, o, lse, schedule, sm_scale, replace(variant, sinks=sinks[0] if sinks else None))
+
+    inputs = (do, q, k, v, o, lse) + (() if variant.sinks is None else (variant.sinks,))
+    return graphed.run(body, inputs, schedule.graphs, ("backward", sm_scale, variant.window, variant.softcap))
+
+
 def _backward(do, q, k, v, o, lse, schedule, sm_scale, variant=PLAIN):
     """v is the forward's V with its non-finite rows zeroed. Returns dq, dk, dv and the sinks' gradient.
 
@@ -327,7 +347,7 @@ class TreeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, schedule, sm_scale, window, softcap):
         variant = Variant(window, softcap, None if sinks is None else sinks.float().contiguous())
-        o, lse, v_finite = _forward(q, k, v, schedule, sm_scale, variant)
+        o, lse, v_finite = _forward_call(q, k, v, schedule, sm_scale, variant)
         ctx.save_for_backward(q, k, v_finite, o, lse, variant.sinks)
         ctx.schedule, ctx.sm_scale, ctx.window, ctx.softcap = schedule, sm_scale, window, softcap
         ctx.mark_non_differentiable(lse)
@@ -343,7 +363,8 @@ class TreeAttentionFunction(torch.autograd.Function):
             return (None,) * 8
         q, k, v, o, lse, sinks = ctx.saved_tensors
         variant = Variant(ctx.window, ctx.softcap, sinks)
-        dq, dk, dv, dsinks = _backward(_last_dim_contiguous(do), q, k, v, o, lse, ctx.schedule, ctx.sm_scale, variant)
+        do = _last_dim_contiguous(do)
+        dq, dk, dv, dsinks = _backward_call(do, q, k, v, o, lse, ctx.schedule, ctx.sm_scale, variant)
         return dq, dk, dv, dsinks, None, None, None, None
 
 
@@ -466,5 +487,5 @@ def tree_attention(
         o, lse = TreeAttentionFunction.apply(q, k, v, sinks, schedule, sm_scale, window, softcap)
     else:  # nothing to differentiate (a rollout step): spare the autograd Function's host cost
         variant = Variant(window, softcap, None if sinks is None else sinks.float().contiguous())
-        o, lse, _ = _forward(q, k, v, schedule, sm_scale, variant)
+        o, lse, _ = _forward_call(q, k, v, schedule, sm_scale, variant)
     return (o, lse) if return_lse else o

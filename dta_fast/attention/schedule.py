@@ -93,6 +93,7 @@ class TreeSchedule:
     _order: dict = field(default_factory=dict, repr=False)
     _work: dict = field(default_factory=dict, repr=False)
     _shares: dict = field(default_factory=dict, repr=False)
+    graphs: dict = field(default_factory=dict, repr=False)  # its calls' CUDA graphs (graphed.py)
 
     def __post_init__(self):
         # what the kernels assume of it; build_schedule also checks the tree (a host sync)
