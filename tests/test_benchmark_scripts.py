@@ -46,6 +46,7 @@ SCRIPTS = [
     "bench_power",
     "bench_schedule",
     "compare_attention",
+    "host_cost",
     "bf16_drift",
     "memory_snapshot",
     "profile_step",

@@ -1,13 +1,15 @@
 """Where a tree attention call's host time goes: each launcher and helper of dta_fast.attention, timed.
 
-    python benchmarks/dev/host_cost.py [--rollouts grpo_p2k_n8_r1k] [--heads qwen2] [--calls 200] [--out DIR]
+    python benchmarks/dev/host_cost.py [--rollouts grpo_p2k_n8_r1k ...] [--heads qwen2] [--calls 200] [--out DIR]
 
 A small tree's forward + backward is host-bound (dev/small_trees.py). Per tree (schedule prebuilt, bf16),
 this times ``--calls`` forward + backward calls without waiting for the GPU, with every function of
 dta_fast.attention's call path wrapped in a host timer (inclusive: a wrapped function's time includes the
 wrapped functions it calls), then the same calls under cProfile (the 30 largest own times). Floors of the
 same run: an empty Triton kernel of as many arguments as the forward's, launched through ``kernel[grid]``,
-and an autograd Function that does nothing. Writes results/host_cost_<GPU>.json.
+and an autograd Function that does nothing. The calls replay from CUDA graphs, as by default
+(dta_fast/attention/graphed.py); ``DTA_ATTENTION_GRAPHS=0`` times the eager path, whose every launcher
+then shows. Writes results/host_cost_<GPU>.json.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import bench_attention  # noqa: E402
 import harness  # noqa: E402
 import shapes  # noqa: E402
 
-from dta_fast.attention import function, hopper, schedule  # noqa: E402
+from dta_fast.attention import function, graphed, hopper, schedule  # noqa: E402
 
 WRAPPED = {
     function: ["tree_attention", "_forward", "_backward", "_backward_preprocess", "_backward_dkdv", "_backward_dq",
@@ -155,7 +157,7 @@ def case(key: str, heads_key: str, calls: int) -> dict:
     fwd = bench_attention.forward_only(fns["tree"], p)
     for _ in range(3):
         step()
-    row = dict(rollouts=key, heads=heads_key, T=tree.num_tokens)
+    row = dict(rollouts=key, heads=heads_key, T=tree.num_tokens, graphs=graphed.ENABLED)
     row["fwd_bwd_us"] = plain_host_us(step, calls)
     row["fwd_no_grad_us"] = plain_host_us(fwd, calls)
     row["breakdown"] = host_breakdown(step, calls)
@@ -164,13 +166,19 @@ def case(key: str, heads_key: str, calls: int) -> dict:
     return row
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--rollouts", nargs="+", default=["grpo_p2k_n8_r1k", "grpo_p1k_n8_r1k"], choices=list(shapes.ROLLOUTS)
+    )
+    p.add_argument("--heads", default="qwen2", choices=list(shapes.HEADS))
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
+    return p
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rollouts", nargs="+", default=["grpo_p2k_n8_r1k"], choices=list(shapes.ROLLOUTS))
-    parser.add_argument("--heads", default="qwen2", choices=list(shapes.HEADS))
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     rows = [case(key, args.heads, args.calls) for key in args.rollouts]
     for r in rows:
         print(f"== {r['rollouts']} ({r['heads']}): fwd+bwd {r['fwd_bwd_us']:.0f} us host, "

@@ -4,6 +4,7 @@
 - ``kernels.py``: the Triton kernels, schedule, forward, backward preprocess, dK/dV, dQ;
 - ``hopper.py``: the forward, dK/dV and dQ kernels warp-specialised in Gluon for Hopper (bitwise twins);
 - ``function.py``: their launchers, the autograd Function and ``tree_attention``;
+- ``graphed.py``: small calls replayed from CUDA graphs, per schedule;
 - ``interpreter.py``: ``TRITON_INTERPRET=1`` (the kernels on CPU, for tests).
 
 ``dta_ref.tree_attention`` is the readable twin, with the same signature.
