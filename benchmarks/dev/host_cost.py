@@ -69,25 +69,21 @@ def host_breakdown(step, calls: int) -> dict:
         saved.append((schedule.TreeSchedule, name, getattr(schedule.TreeSchedule, name)))
         setattr(schedule.TreeSchedule, name, timed(totals, f"TreeSchedule.{name}", saved[-1][2]))
     try:
-        step()
-        totals.clear()
-        harness.sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            step()
-        wall = time.perf_counter() - t0
-        harness.sync()
+        call_us = plain_host_us(step, calls, before=totals.clear)
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
     return dict(
-        call_us=wall / calls * 1e6,
+        call_us=call_us,
         parts={k: dict(us=v[0] / calls * 1e6, per_call=v[1] / calls) for k, v in sorted(totals.items())},
     )
 
 
-def plain_host_us(step, calls: int) -> float:
+def plain_host_us(step, calls: int, before=None) -> float:
+    """Host microseconds per call of ``calls`` unsynchronised calls, after a warm-up call (then ``before()``)."""
     step()
+    if before is not None:
+        before()
     harness.sync()
     t0 = time.perf_counter()
     for _ in range(calls):
