@@ -1,6 +1,6 @@
 """TRL GRPO training steps: GRPOTrainer against TreeGRPOTrainer on the tensors TRL passes.
 
-    python benchmarks/bench_trl.py [--groups P1K-G8-R1K P2K-G8-R1K P2K-G16-R1K] [--repeats 3] [--out DIR]
+    python benchmarks/bench_trl.py [--groups P1K-G8-R1K P2K-G8-R1K P2K-G16-R1K] [--repeats 3] [--reentrant] [--out DIR]
     python benchmarks/bench_trl.py --full-step [--steps 12] [--train-seconds 150] [--prompts 2] [--group 8]
                                    [--prompt-pool N]
 
@@ -60,7 +60,9 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def build_trainer(trainer_cls, config_cls, model, group_size, completion_length, checkpointing, out_dir, bf16=True):
+def build_trainer(
+    trainer_cls, config_cls, model, group_size, completion_length, checkpointing, out_dir, bf16=True, reentrant=False
+):  # fmt: skip
     import datasets
 
     args = config_cls(
@@ -70,7 +72,7 @@ def build_trainer(trainer_cls, config_cls, model, group_size, completion_length,
         max_completion_length=completion_length,
         bf16=bf16,
         gradient_checkpointing=checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant},
         report_to="none",
         save_strategy="no",
     )
@@ -397,6 +399,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--reentrant", action="store_true",
+        help="checkpoint both trainers' layers with use_reentrant=True (TRL's default: False)",
+    )  # fmt: skip
     p.add_argument("--full-step", action="store_true", help="whole trainer.train() steps on a converging task")
     p.add_argument("--steps", type=int, default=12, help="--full-step: optimizer steps per trainer")
     p.add_argument("--warmup", type=int, default=4, help="--full-step: steps left out of the median")
@@ -449,6 +455,7 @@ def main(argv=None):
                 completion_tokens=sum(lengths),
                 ideal_speedup=ideal_speedup(weights, P, lengths),
                 tree_build_ms=tree_build_ms(inputs),
+                use_reentrant=args.reentrant,
                 runs={},
             )
             truth = None  # GRPOTrainer's step in float32 from the same weights: what both bf16 steps approximate
@@ -456,7 +463,9 @@ def main(argv=None):
                 built, results = {}, {}
                 for name, trainer_cls, config_cls in trainers:  # the gate's step of each, first
                     weights.load_state_dict(state)
-                    built[name] = build_trainer(trainer_cls, config_cls, weights, G, R, checkpointing, out_dir)
+                    built[name] = build_trainer(
+                        trainer_cls, config_cls, weights, G, R, checkpointing, out_dir, reentrant=args.reentrant
+                    )  # fmt: skip
                     if "old_per_token_logps" not in inputs:  # near the policy, so the loss depends on the logprobs
                         inputs["old_per_token_logps"] = behaviour_logprobs(built[name], inputs)
                     try:
@@ -495,7 +504,11 @@ def main(argv=None):
                 print(json.dumps({key: {"ckpt" if checkpointing else "no_ckpt": run}}), flush=True)
             rows.append(row)
             harness.write_results(
-                "trl_grpo", rows, args.out, key=lambda r: r["group"], model=f"{MODEL} shape, bf16, sdpa"
+                "trl_grpo",
+                rows,
+                args.out,
+                key=lambda r: (r["group"], r.get("use_reentrant", False)),
+                model=f"{MODEL} shape, bf16, sdpa",
             )
     print_table(rows)
 
@@ -512,7 +525,7 @@ def print_table(rows):
             table.append(
                 [
                     row["group"],
-                    mode == "ckpt",
+                    ("reentrant" if row.get("use_reentrant") else "on") if mode == "ckpt" else "off",
                     fmt(b, "step_s"),
                     fmt(b, "peak_gib"),
                     fmt(t, "step_s"),

@@ -220,8 +220,10 @@ def _row(model: str, path: str, args, overrides) -> dict:
     for name, (tree, remove_padding) in ENGINES.items():  # the exactness gate, float32 compute
         w = worker(path, tree, args.group, gate_prompts, "fp32", remove_padding, args.fused_backend)
         progress(f"{name} float32 worker built")
-        exact[name] = update(w, gate_td)
-        progress(f"{name} float32 update")
+        with harness.TritonCompiles() as compiles:
+            exact[name] = update(w, gate_td)
+        row.setdefault("float32_triton_compiles", {})[name] = [compiles.count, round(compiles.seconds, 1)]
+        progress(f"{name} float32 update ({compiles.count} Triton compiles, {compiles.seconds:.0f} s)")
         del w
         gc.collect()  # a worker's modules hold reference cycles: its GPU memory goes only once they do
         harness.empty_cache()
@@ -232,7 +234,9 @@ def _row(model: str, path: str, args, overrides) -> dict:
     for name, (tree, remove_padding) in ENGINES.items():
         w = worker(path, tree, args.group, args.prompts, args.param_dtype, remove_padding, args.fused_backend)
         harness.reset_peak()
-        seconds, step = harness.wall_seconds(lambda w=w: update(w, gate_td))  # the drift gate's step
+        with harness.TritonCompiles() as compiles:
+            seconds, step = harness.wall_seconds(lambda w=w: update(w, gate_td))  # the drift gate's step
+        progress(f"{name} {args.param_dtype} gate step ({compiles.count} Triton compiles, {compiles.seconds:.0f} s)")
         drift[name] = harness.relative_error(step, truth)
         if gate_td is not td:  # the warm-up at the timed batch's sizes
             seconds = harness.wall_seconds(lambda w=w: w.train_mini_batch(td.clone()))[0]

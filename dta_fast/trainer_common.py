@@ -10,6 +10,7 @@ from dta_ref.losses import TokenLoss
 from dta_ref.multimodal import pack_images
 from dta_ref.padded import PaddedLayout
 
+from .checkpointing import model_checkpointing_reentrant
 from .logprobs import gather_logprobs_chunked, packed_hidden
 from .tree import build_tree
 
@@ -50,7 +51,8 @@ def block_logprobs_and_entropy(
         tree = build_tree(sequences)
     wanted = layout.to_tree(block, first_column, fill=False)
     head = adapt(model).head
-    hidden, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss, images=packed)
+    with model_checkpointing_reentrant(model, recording=router_aux_loss):  # the trainer's backward is a plain one
+        hidden, tree, aux = packed_hidden(model, tree, router_aux_loss=router_aux_loss, images=packed)
     out = gather_logprobs_chunked(
         hidden, head, tree, temperature=temperature, entropy=True, mask=wanted, vocab_head=vocab_head
     )

@@ -267,7 +267,7 @@ class ModelAdapter:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attend,
-        checkpoint_layers: bool = False,
+        checkpoint_layers=False,
         output_router_logits: bool = False,
         linear=None,
         images=None,
@@ -279,7 +279,9 @@ class ModelAdapter:
         so a layer whose forward is recomputed under gradient checkpointing
         calls it again: it must not depend on state that is gone by then.
         ``checkpoint_layers``: run every layer the model does not checkpoint
-        itself under non-reentrant activation checkpointing, for this call only.
+        itself under activation checkpointing, for this call only: True for
+        torch's non-reentrant checkpoint, or a function called as
+        ``checkpoint(forward, *args, **kwargs)`` in its place.
         ``output_router_logits``: return ``(hidden, router_logits)``, a MoE
         model's router logits per MoE layer (:meth:`router_aux_loss`).
         ``linear``: the convolution and delta rule of linear-attention layers
@@ -293,24 +295,27 @@ class ModelAdapter:
         # Compiled modules break their graph there; those compiled whole-graph cannot, and run eagerly.
         attend = torch.compiler.disable(attend)
         eagerly = torch.compiler.set_stance("force_eager") if self.compiled_whole_graph else nullcontext()
-        with eagerly, self._checkpointing() if checkpoint_layers and torch.is_grad_enabled() else nullcontext():
+        checkpointing = checkpoint_layers and torch.is_grad_enabled()
+        with eagerly, self._checkpointing(checkpoint_layers) if checkpointing else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
                 with _forward_replaced(self.data_parallel.module, self._trunk):
                     return self.data_parallel(input_ids, position_ids, attend, output_router_logits, linear, images)
             return self._trunk(input_ids, position_ids, attend, output_router_logits, linear, images)
 
     @contextmanager
-    def _checkpointing(self):
-        """Each decoder layer's ``forward`` under ``torch.utils.checkpoint`` (non-reentrant): the layer
-        keeps its inputs and recomputes the rest in the backward. The call's hooks (FSDP's) stay outside,
-        as with Hugging Face's own checkpointing; layers the model checkpoints itself are left as they are."""
+    def _checkpointing(self, how=True):
+        """Each decoder layer's ``forward`` under ``torch.utils.checkpoint`` (non-reentrant; ``how``, where
+        it is a function, in its place): the layer keeps its inputs and recomputes the rest in the
+        backward. The call's hooks (FSDP's) stay outside, as with Hugging Face's own checkpointing; layers
+        the model checkpoints itself are left as they are."""
+        run = how if callable(how) else _checkpointed
         all_own = self.checkpointed_layers == len(self.layers)
         with ExitStack() as stack:
             for layer in [] if all_own else self.layers:
                 if not _checkpoints_itself(layer):
                     # the recompute, in the backward, runs as the forward did: eagerly where hidden_states does
                     forward = functools.partial(_eagerly, layer.forward) if self.compiled_whole_graph else layer.forward
-                    stack.enter_context(_forward_replaced(layer, functools.partial(_checkpointed, forward)))
+                    stack.enter_context(_forward_replaced(layer, functools.partial(run, forward)))
             yield
 
     def _trunk(self, input_ids, position_ids, attend, output_router_logits=False, linear=None, images=None):

@@ -41,6 +41,7 @@ SCRIPTS = [
     "bench_trl",
     "bench_verl",
     "bench_partition",
+    "checkpoint_ab",
     "attention_timeline",
     "bench_cuda_graphs",
     "bench_power",

@@ -31,6 +31,7 @@ from dta_ref.multimodal import TreeImages, check_images
 from dta_ref.tree import PrefixTree
 from dta_ref.values import token_values, value_head_of
 
+from ..checkpointing import model_checkpointing_reentrant, reentrant_applies, reentrant_checkpoint
 from ..dispatch import tree_attend, uses_kernel
 from ..linear_attention import TreeLinearMixing
 from ..logprobs import HeadRows, LogprobPairs, head_logprobs, head_weight, window_rows
@@ -274,9 +275,12 @@ class ChunkEngine:
             if self.linear_layer_of:  # the path's convolution inputs and states from the open chunks
                 linear = ChunkLinearMixing(self, c, self.linear_layer_of) if self.plan.num_chunks > 1 else None
                 linear = linear or TreeLinearMixing(self.tree.parent[a:b] - a)  # one chunk: the whole forest
-            hidden = self.adapter.hidden_states(
-                ids, positions, attend, self.plan.checkpoint_layers, linear=linear, images=images
-            )[0]
+            # the layers checkpointed (by the plan or by the model itself) at a small host cost where they can be
+            how = reentrant_checkpoint if self.plan.checkpoint_layers and reentrant_applies(self.adapter) else None
+            with model_checkpointing_reentrant(self.adapter):
+                hidden = self.adapter.hidden_states(
+                    ids, positions, attend, how or self.plan.checkpoint_layers, linear=linear, images=images
+                )[0]
             span = self.span(c)
             rows = self.head_rows[c]
             if self.value_head is None:
