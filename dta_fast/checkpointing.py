@@ -16,7 +16,8 @@ backward is a plain one, and a constant anchor that requires gradients stands in
 (LoRA's frozen embeddings). A layer falls back to the non-reentrant form (or the model's own function)
 where the reentrant one could lose gradients or run hooks without a graph: a keyword tensor that
 requires gradients, module hooks on the layer (FSDP's gathers), a forward that records router logits,
-or linear-attention layers (whose chunked states the forward exports).
+linear-attention layers (whose chunked states the forward exports), or DDP with
+``find_unused_parameters`` (which would find the layers' parameters unused).
 ``DTA_REENTRANT_CHECKPOINT=0`` turns it off.
 """
 
@@ -80,13 +81,16 @@ def _hooked(layer) -> bool:
 
 def reentrant_applies(model) -> bool:
     """Whether the layers of ``model`` may run under reentrant checkpointing: on, no global module hooks,
-    no hooks on any layer, no linear-attention layers."""
+    no hooks on any layer, no linear-attention layers, not in a DDP that looks for unused parameters."""
     if not ENABLED or not torch.is_grad_enabled():
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks:
         return False
     adapter = adapt(model)
     if adapter.is_hf and linear_layers_of(adapter.core):
+        return False
+    # DDP looking for unused parameters would find the layers' (reached only inside the recompute) unused
+    if getattr(adapter.data_parallel, "find_unused_parameters", False):
         return False
     return not any(_hooked(layer) for layer in adapter.layers)
 

@@ -135,6 +135,37 @@ def test_where_the_reentrant_form_is_not_used(reentrant_calls, monkeypatch):
     assert not reentrant_calls
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp(one_rank_group, reentrant_calls):
+    """Under DDP the layers run reentrant and its reduction gets every gradient, those of the model alone;
+    a DDP looking for unused parameters (it would find the layers' unused) keeps the model's own."""
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    grads = []
+    for ddp in (False, True):
+        model = checkpointed(tiny_hf_model("qwen2", torch.float64, "sdpa"))
+        wrapped = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+        reentrant_calls.clear()
+        lp, _, _, _ = block_logprobs_and_entropy(wrapped, ids, mask, 2)
+        lp.sum().backward()
+        assert len(reentrant_calls) == 2
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert_grads_close(grads[1], grads[0], rel=1e-13)
+    looking = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    with torch.enable_grad():
+        assert reentrant_applies(wrapped) and not reentrant_applies(looking)
+
+
 def test_trainers_forward_runs_reentrant(reentrant_calls):
     """The trainers' packed forward (dta_fast.trainer_common) takes the reentrant form."""
     model = checkpointed(tiny_hf_model("qwen2", torch.float64, "sdpa"))
