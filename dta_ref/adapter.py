@@ -298,9 +298,19 @@ class ModelAdapter:
         checkpointing = checkpoint_layers and torch.is_grad_enabled()
         with eagerly, self._checkpointing(checkpoint_layers) if checkpointing else nullcontext():
             if self.data_parallel is not None and torch.is_grad_enabled():
-                with _forward_replaced(self.data_parallel.module, self._trunk):
-                    return self.data_parallel(input_ids, position_ids, attend, output_router_logits, linear, images)
+                with _forward_replaced(self.data_parallel.module, self._trunk_in_data_parallel):
+                    out, _ = self.data_parallel(input_ids, position_ids, attend, output_router_logits, linear, images)
+                return out
             return self._trunk(input_ids, position_ids, attend, output_router_logits, linear, images)
+
+    def _trunk_in_data_parallel(self, *args):
+        """The trunk's output and, for a DDP that looks for unused parameters, a one-element view of each
+        head parameter: the head runs after DDP's call, and DDP would otherwise take its parameters for
+        unused, mark them ready at once, and again when their gradients come."""
+        head = self.value_head if self.value_head is not None else self.head
+        looks = getattr(self.data_parallel, "find_unused_parameters", False)
+        used = tuple(p.view(-1)[:1] for p in head.parameters() if p.requires_grad) if looks else ()
+        return self._trunk(*args), used
 
     @contextmanager
     def _checkpointing(self, how=True):

@@ -547,10 +547,13 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_ddp_model(one_rank_group):
-    """A DDP model scores through DDP's own call (its reduction prepared); tree_backward points elsewhere."""
+@pytest.mark.parametrize("find_unused", [False, True], ids=["ddp", "ddp_find_unused"])
+def test_ddp_model(one_rank_group, find_unused):
+    """A DDP model scores through DDP's own call (its reduction prepared), also one that looks for unused
+    parameters (the head, run after the call, is not taken for unused); tree_backward points elsewhere."""
     model = tiny_hf_model("qwen2", torch.float32, "sdpa", seed=15)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # a head only the head uses
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
     assert dta_ref.adapt(ddp).core is model and dta_ref.adapt(ddp).data_parallel is ddp
     truth = copy.deepcopy(model)
     assert_matches_each_rollout_alone(ddp, truth, twins={"ref": dta_ref.tree_logprobs})
