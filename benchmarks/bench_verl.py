@@ -22,8 +22,11 @@ float32 updates than twice their distance from each other, plus 1e-3 (verl's two
 land about 5e-3 apart on a 24-layer model on an H200); (2) bf16 compute, the timed setting: the tree's
 update is no farther from verl's float32 update than twice verl's own bf16 update is, plus 1e-3 (two
 bf16 updates differ by rounding alone: 10-20% on random weights, so they cannot gate each other).
-Median of ``--repeats`` bf16 steps after a warm-up, peak memory. Models are shapes.MODELS with random weights,
-saved with a tokenizer built in code. Writes results/verl_update_<GPU>.json and prints the table last.
+Median of ``--repeats`` bf16 steps after a warm-up, peak memory. Each float32 update's Triton compiles
+(count and seconds, ``float32_triton_compiles``; on a bare machine the autotuner's float32
+configurations compile for minutes: ``DTA_AUTOTUNE=0`` keeps one each) are recorded. Models are
+shapes.MODELS with random weights, saved with a tokenizer built in code. Writes
+results/verl_update_<GPU>.json and prints the table last.
 """
 
 from __future__ import annotations
