@@ -109,6 +109,10 @@ CASES = {
     "grad-ckpt": dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}),
     "kl-and-two-iterations": dict(beta=0.1, num_iterations=2),
     "lora": dict(peft=True),
+    # the tree trainer runs the checkpointed layers reentrant (dta_fast.checkpointing): LoRA's frozen inputs
+    "lora-grad-ckpt": dict(
+        peft=True, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    ),
     # depth-first chunks through tree_backward, GRPO's loss linearised at the logprobs
     "chunked": dict(tree_max_chunk_tokens=8, num_iterations=2, beta=0.1, temperature=0.7),
     "chunked-grad-ckpt": dict(tree_max_chunk_tokens=8, gradient_checkpointing=True),
