@@ -113,13 +113,14 @@ def model_checkpointing_reentrant(model, recording: bool = False):
     if recording:
         yield
         return
+    adapter = adapt(model)
     layers = [
         layer
-        for layer in adapt(model).layers
+        for layer in adapter.layers
         if getattr(layer, "gradient_checkpointing", False)
         and _plain_torch_checkpoint(vars(layer).get("_gradient_checkpointing_func"))
     ]
-    if not layers or not reentrant_applies(model):
+    if not layers or not reentrant_applies(adapter):
         yield
         return
     with ExitStack() as stack:
