@@ -35,8 +35,8 @@ def reentrant_calls(monkeypatch):
     return calls
 
 
-def checkpointed(model, **kwargs):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
+def checkpointed(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()  # transformers checkpoints in training mode only; the tiny models have no dropout
 
 
@@ -52,7 +52,7 @@ def step(model, tree, context=None):
 
 def test_model_checkpointing_runs_reentrant_with_its_gradients(reentrant_calls):
     """Hugging Face's non-reentrant checkpointing replaced by the reentrant form for the call: every layer
-    through it, the same logprobs and gradients (bitwise on the CPU: the same ops on the same inputs),
+    through it, the same logprobs (bitwise on the CPU: the same ops on the same inputs) and gradients,
     and each layer's own function put back after."""
     tree = PrefixTree.from_sequences(SEQUENCES)
     model = tiny_hf_model("qwen2", torch.float64, "sdpa")
