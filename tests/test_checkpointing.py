@@ -135,17 +135,6 @@ def test_where_the_reentrant_form_is_not_used(reentrant_calls, monkeypatch):
     assert not reentrant_calls
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_ddp(one_rank_group, reentrant_calls):
     """Under DDP the layers run reentrant and its reduction gets every gradient, those of the model alone;
     a DDP looking for unused parameters (it would find the layers' unused) keeps the model's own."""

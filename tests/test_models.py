@@ -536,17 +536,6 @@ def test_tree_backward_at_a_temperature(reentrant):
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("find_unused", [False, True], ids=["ddp", "ddp_find_unused"])
 def test_ddp_model(one_rank_group, find_unused):
     """A DDP model scores through DDP's own call (its reduction prepared), also one that looks for unused

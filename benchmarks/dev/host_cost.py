@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import sys
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402
 import harness  # noqa: E402
 import shapes  # noqa: E402
+import small_trees  # noqa: E402
 
 from dta_fast.attention import function, graphed, hopper, schedule  # noqa: E402
 
@@ -163,13 +163,9 @@ def case(key: str, heads_key: str, calls: int) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--rollouts", nargs="+", default=["grpo_p2k_n8_r1k", "grpo_p1k_n8_r1k"], choices=list(shapes.ROLLOUTS)
-    )
-    p.add_argument("--heads", default="qwen2", choices=list(shapes.HEADS))
+    p = small_trees.parser()  # the same trees and heads
+    p.description = __doc__
     p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--out", default=os.environ.get("OUT", str(harness.RESULTS)))
     return p
 
 
