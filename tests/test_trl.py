@@ -124,6 +124,12 @@ CASES = {
     "chunked-grad-scaler": dict(tree_max_chunk_tokens=8, loss_scale=2.0**12, max_grad_norm=0.0),
     "grad-scaler": dict(loss_scale=2.0**12, max_grad_norm=0.0),
     "grad-accum": dict(gradient_accumulation_steps=2, max_grad_norm=0.0),
+    "grad-accum-grad-ckpt": dict(
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.0,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    ),  # fmt: skip
     # old logprobs scored over a generation of two micro-batches, in TRL's batches of one micro-batch
     "grad-accum-two-iterations": dict(gradient_accumulation_steps=2, num_iterations=2, max_grad_norm=0.0),
     "chunked-grad-accum": dict(tree_max_chunk_tokens=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
