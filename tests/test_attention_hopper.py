@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from dta_fast import build_schedule, tree_attention
 from dta_fast.attention import hopper as attention_hopper
+from dta_fast.attention.function import block_table
 from dta_ref import PrefixTree, agentic_batch, grpo_batch
 from tests.attention_checks import random_depths, subtree_end_from_depths
 
@@ -94,11 +95,13 @@ def compile_for_hopper(kernel_name: str, head_dim: int, dtype_name: str) -> dict
         )
     else:
         kernel, stages, maxnreg = H.tree_attention_bwd_dq_hopper_kernel, H.DQ_STAGES, 128
+        dq_block_m, dq_block_n = block_table(head_dim, dtype)["dq"]  # the Triton dQ's, which it twins
+        assert H.dq_takes(dq_block_m, dq_block_n, head_dim)
         args = dict(
             q_desc=desc(H.DQ_BLOCK_M),
             do_desc=desc(H.DQ_BLOCK_M),
-            k_desc=desc(H.DQ_BLOCK_N),
-            v_desc=desc(H.DQ_BLOCK_N),
+            k_desc=desc(dq_block_n),
+            v_desc=desc(dq_block_n),
             LSE=floats,
             DELTA=floats,
             DQ=x,
@@ -270,8 +273,7 @@ def test_gradients_bitwise_the_triton_kernels(name, monkeypatch):
         x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         tree_attention(*x, scale=scale, schedule=schedule).backward(do)
         grads.append([t.grad for t in x])
-    # at head dim 64 the Triton dQ's blocks are 64 x 128, which the Hopper dQ does not take: Triton's runs
-    assert ran == (["backward_dkdv", "backward_dq"] if q.shape[-1] == 128 else ["backward_dkdv"])
+    assert ran == ["backward_dkdv", "backward_dq"]
     for a, b, what in zip(*grads, ("dq", "dk", "dv")):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
     if name == "non-finite rows":

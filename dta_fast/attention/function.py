@@ -303,10 +303,11 @@ def _sum_dkdv_shares(workspace, shares: DkdvShares, dk, dv, heads_per_row):
     """dk [B, Hkv, Tk, D], dv [B, Hkv, Tk, Dv] of the split units, from their shares' partials in ``workspace``."""
     _, Hkv, Tk, D = dk.shape
     Dv = dv.shape[-1]
-    dkdv_shares_sum_kernel[(shares.shares.numel(), heads_per_row)](
+    BLOCK_T = 16 if INTERPRET else 32
+    dkdv_shares_sum_kernel[(shares.shares.numel() * cdiv(shares.unit, BLOCK_T), heads_per_row)](
         workspace, shares.shares, shares.first, dk, dv, *_strides(dk), *_strides(dv), heads_per_row, Hkv,
         cdiv(Tk, shares.unit), Tk, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
-        UNIT=shares.unit, BLOCK_T=16 if INTERPRET else 32,
+        UNIT=shares.unit, BLOCK_T=BLOCK_T,
     )  # fmt: skip
 
 
@@ -318,9 +319,9 @@ def _backward_dq(do, q, k, v, lse, delta, schedule, sm_scale, variant=PLAIN):
     lists = schedule.block_lists(BM, BN, variant.window)
     num_m_blocks = cdiv(Tq, BM)
     dq = torch.empty_like(q)
-    if (BM, BN) == (hopper.DQ_BLOCK_M, hopper.DQ_BLOCK_N) and _hopper_applies(variant, q, k, v, do):
+    if hopper.dq_takes(BM, BN, D) and _hopper_applies(variant, q, k, v, do):
         hopper.backward_dq(q, k, v, do, lse, delta, dq, end, lists, sm_scale * LOG2E.value, sm_scale,
-                           _batch_strides(end, num_m_blocks))  # fmt: skip
+                           _batch_strides(end, num_m_blocks), BN)  # fmt: skip
         return dq
     values, flags = variant.args(sm_scale, end, schedule)
     args = (

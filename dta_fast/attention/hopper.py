@@ -24,9 +24,9 @@ queries with their rows' LSE and delta, over the query heads of the GQA group (o
 share of them, schedule.DkdvShares) and the key block's contiguous query range (masked head, full
 middle, masked tail).
 
-dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks at head dim 128 (64 queries, key
-blocks of 64; at head dim 64 the Triton dQ, with key blocks of 128, stays), one compute warpgroup; small
-enough in registers and shared memory for two programs per SM.
+dQ (``tree_attention_bwd_dq_hopper_kernel``): the Triton dQ's blocks (64 queries; key blocks of 64 at
+head dim 128, of 128 at head dim 64), one compute warpgroup; small enough in registers and shared memory
+for two programs per SM.
 
 The Triton kernels stay the path elsewhere (other GPUs, head dims other than 64 and 128, float32, the
 interpreter, calls of under 64 queries). Triton 3.6 and later (Gluon) compile these.
@@ -511,17 +511,23 @@ if HAVE_GLUON:
 
 # ---------------------------------------------------------------------- dQ
 
-DQ_BLOCK_M, DQ_BLOCK_N = 64, 64  # the Triton dQ kernel's blocks: the same block lists, in the same order
-DQ_STAGES = 2  # 96 KB of shared memory at head dim 128: two programs per SM
+DQ_BLOCK_M = 64  # the Triton dQ kernel's query block; its key block is the Triton dQ's too (dq_takes)
+DQ_STAGES = 2  # 96 KB of shared memory at head dim 128, 80 KB at 64 with 128 keys: two programs per SM
 
 
-def backward_dq(q, k, v, do, lse, delta, dq, end, lists, qk_scale, sm_scale, batch_strides):
+def dq_takes(block_m: int, block_n: int, head_dim: int) -> bool:
+    """Whether the dQ kernel here twins the Triton dQ at these blocks: 64 queries, and K/V tiles of at most
+    16 KB (64 keys at head dim 128, 128 at 64), so that two programs share an SM."""
+    return block_m == DQ_BLOCK_M and block_n in (64, 128) and block_n * head_dim <= 128 * 64
+
+
+def backward_dq(q, k, v, do, lse, delta, dq, end, lists, qk_scale, sm_scale, batch_strides, block_n):
     """Write dq as ``tree_attention_bwd_dq_kernel`` does (k with its non-finite rows zeroed, v the
-    forward's; lse and delta the preprocess pass's; lists for (DQ_BLOCK_M, DQ_BLOCK_N))."""
+    forward's; lse and delta the preprocess pass's; lists for (DQ_BLOCK_M, block_n), which dq_takes)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_block, kv_block = [1, 1, DQ_BLOCK_M, D], [1, 1, DQ_BLOCK_N, D]
+    q_block, kv_block = [1, 1, DQ_BLOCK_M, D], [1, 1, block_n, D]
     descs = [descriptor(q, q_block, dtype), descriptor(do, q_block, dtype),
              descriptor(k, kv_block, dtype), descriptor(v, kv_block, dtype)]  # fmt: skip
     num_m_blocks = -(-Tq // DQ_BLOCK_M)

@@ -667,8 +667,9 @@ def dkdv_shares_sum_kernel(
     UNIT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the split units (DkdvShares): the sums of their shares' float32 partials, added in
-    share order (deterministic), in DK's dtype. One program per (schedule row x unit, batch x K/V head)."""
-    unit = tl.program_id(0)
+    share order (deterministic), in DK's dtype. One program per (schedule row x unit x BLOCK_T of its keys,
+    batch x K/V head): a split unit's shares are a few, its keys many, so its rows go to programs of their own."""
+    unit = tl.program_id(0) // (UNIT // BLOCK_T)
     rest = tl.program_id(1)
     shares = tl.load(SHARES + unit)
     if shares > 1:
@@ -677,23 +678,23 @@ def dkdv_shares_sum_kernel(
         slot = tl.load(FIRST + unit).to(tl.int64) * heads_per_row + rest
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        for t0 in range(0, UNIT, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            keys = (unit % NU) * UNIT + offs_t
-            mask = (keys < Tk)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            mask_v = (keys < Tk)[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
-            tile = offs_t[:, None] * HEAD_DIM + offs_d[None, :]
-            tile_v = UNIT * HEAD_DIM + offs_t[:, None] * HEAD_DIM_V + offs_dv[None, :]
-            dk = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_T, BLOCK_DV], dtype=tl.float32)
-            for s in range(0, shares):
-                partial = WS + (slot + s * heads_per_row) * (UNIT * (HEAD_DIM + HEAD_DIM_V))
-                dk += tl.load(partial + tile, mask=mask, other=0.0)
-                dv += tl.load(partial + tile_v, mask=mask_v, other=0.0)
-            tl.store(DK + b * stride_dkb + hk * stride_dkh + keys[:, None] * stride_dkt + offs_d[None, :],
-                     dk.to(DK.dtype.element_ty), mask=mask)  # fmt: skip
-            tl.store(DV + b * stride_dvb + hk * stride_dvh + keys[:, None] * stride_dvt + offs_dv[None, :],
-                     dv.to(DV.dtype.element_ty), mask=mask_v)  # fmt: skip
+        t0 = tl.program_id(0) % (UNIT // BLOCK_T) * BLOCK_T
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        keys = (unit % NU) * UNIT + offs_t
+        mask = (keys < Tk)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        mask_v = (keys < Tk)[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+        tile = offs_t[:, None] * HEAD_DIM + offs_d[None, :]
+        tile_v = UNIT * HEAD_DIM + offs_t[:, None] * HEAD_DIM_V + offs_dv[None, :]
+        dk = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_T, BLOCK_DV], dtype=tl.float32)
+        for s in range(0, shares):
+            partial = WS + (slot + s * heads_per_row) * (UNIT * (HEAD_DIM + HEAD_DIM_V))
+            dk += tl.load(partial + tile, mask=mask, other=0.0)
+            dv += tl.load(partial + tile_v, mask=mask_v, other=0.0)
+        tl.store(DK + b * stride_dkb + hk * stride_dkh + keys[:, None] * stride_dkt + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=mask)  # fmt: skip
+        tl.store(DV + b * stride_dvb + hk * stride_dvh + keys[:, None] * stride_dvt + offs_dv[None, :],
+                 dv.to(DV.dtype.element_ty), mask=mask_v)  # fmt: skip
 
 
 # Backward: dQ.
